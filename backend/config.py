@@ -1,0 +1,96 @@
+"""Engine configuration: the one source of truth for every default.
+
+The Triton model's config.pbtxt parameters map onto these fields by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+# KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL                 # Hugging Face folder (config.json + safetensors)
+    dtype: str = "auto"                        # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                       # auto = cuda when available, else cpu
+    block_size: int = 16                       # tokens per KV block
+    num_kv_blocks: int | None = None           # None: sized from kv_cache_memory_bytes / GPU memory
+    kv_cache_memory_bytes: int | None = None   # KV budget when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9        # CUDA: fraction of GPU memory for weights + KV
+    max_num_seqs: int = 64                     # running requests per step
+    max_num_batched_tokens: int = 512          # token budget per step (prefill chunks + decodes)
+    max_model_len: int | None = None           # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    batching: Literal["continuous", "static"] = "continuous"
+    max_waiting_requests: int = 1024           # admission control: refuse beyond this queue depth
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json
+    seed: int = 0                              # engine-wide RNG for requests without a seed
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from string-or-typed values (e.g. Triton model parameters)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown engine config key(s): {unknown}")
+        kwargs: dict[str, Any] = {}
+        for name, raw in values.items():
+            kwargs[name] = _coerce(name, raw, str(fields[name].type))
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig: {message}")
+
+        check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+              f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        check(self.block_size >= 1, "block_size must be >= 1")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes must be > 0")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        check(self.max_num_batched_tokens >= self.max_num_seqs,
+              "max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")
+        check(self.batching in ("continuous", "static"), "batching must be continuous or static")
+        check(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+        check(self.load_format in ("auto", "dummy"), "load_format must be auto or dummy")
+
+
+def _coerce(name: str, raw: Any, annotation: str) -> Any:
+    """Turn Triton's string parameters into the field's type; typed values pass through."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    optional = "None" in annotation
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    if annotation.startswith("bool"):
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"EngineConfig: {name} must be true or false, got {raw!r}")
+    try:
+        if annotation.startswith("int"):
+            return int(text)
+        if annotation.startswith("float"):
+            return float(text)
+    except ValueError as exc:
+        raise ValueError(f"EngineConfig: {name} must be a number, got {raw!r}") from exc
+    return text

@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop strings.
+
+Streamed deltas concatenate to exactly the full decode: a token's text is released only
+once it no longer ends in an incomplete UTF-8 sequence, and decoding always includes a
+few tokens of left context (so tokenizers that strip a leading space at the start of a
+sequence still produce it mid-sequence). Stop strings end the request even when they
+span tokens; they are not emitted, and any tail of the text that could still grow into a
+stop string is held back, so no partial stop string ever reaches a client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as decoding context for the first generated tokens.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0                 # decode window start (left context)
+        self._read_offset = len(self._ids)      # tokens before this are already in `text`
+        self.text = ""                          # all generated text so far (truncated at a stop string)
+        self._num_emitted = 0                   # chars of `text` already returned as deltas
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _pending_text(self, force: bool) -> str:
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not force):
+            return ""  # nothing printable yet (e.g. half of a multi-byte character)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix):]
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> tuple[str, str | None]:
+        """Feed one generated token. Returns (delta to emit now, the stop string that hit or None)."""
+        self._ids.append(token_id)
+        old_len = len(self.text)
+        self.text += self._pending_text(force=False)
+        if check_stop and self.stop and len(self.text) > old_len:
+            search_from = max(0, old_len - self.max_stop_len + 1)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                index, stop = min(hits)
+                self.text = self.text[:index]
+                return self._emit(index), stop
+        return self._emit(len(self.text) - self._held_back()), None
+
+    def finish(self) -> str:
+        """The request ended for another reason: release everything still held back."""
+        self.text += self._pending_text(force=True)
+        return self._emit(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        tail = self.text[-self.max_stop_len:] if self.max_stop_len else ""
+        for start in range(len(tail)):
+            suffix = tail[start:]
+            if any(s.startswith(suffix) for s in self.stop):
+                return len(suffix)
+        return 0
+
+    def _emit(self, end: int) -> str:
+        end = max(end, self._num_emitted)
+        delta = self.text[self._num_emitted:end]
+        self._num_emitted = end
+        return delta

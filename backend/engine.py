@@ -1,0 +1,263 @@
+"""The engine: request intake and validation, the step loop, output assembly.
+
+Single-threaded by design: whoever calls ``step()`` owns the scheduler and KV state.
+The serving layer runs it on its own thread (see ``backend.engine_loop``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from backend.config import EngineConfig
+from backend.detokenizer import IncrementalDetokenizer
+from backend.errors import InvalidRequestError, QueueFullError
+from backend.kv_cache_manager import KVCacheManager, cdiv
+from backend.model import ModelArchitecture
+from backend.model_runner import ModelRunner
+from backend.outputs import RequestOutput
+from backend.request import Request, RequestStatus
+from backend.sampler import Sampler
+from backend.sampling_params import SamplingParams
+from backend.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int            # blocks registered in the prefix cache (in use or revivable)
+    kv_usage: float                  # fraction of blocks referenced by live requests
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+    prompt_tokens_total: int         # prompt tokens computed (prefill work, after cache hits)
+    generation_tokens_total: int     # tokens generated
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _load_tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _eos_token_ids(folder: str, tokenizer: Any) -> frozenset[int]:
+    path = Path(folder) / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.arch = ModelArchitecture.from_folder(config.model)
+        self.tokenizer = _load_tokenizer(config.model)
+        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.runner = ModelRunner(config, self.arch)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}      # live (waiting or running) requests
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending_outputs: list[RequestOutput] = []   # e.g. aborts, reported by the next step()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- intake ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (bad input, including a
+        request that could never fit) or QueueFullError (admission control)."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        prompt_ids = self._tokenize(prompt)
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+            if max_tokens < 1:
+                raise InvalidRequestError("prompt", f"has {len(prompt_ids)} tokens; max_model_len is "
+                                                    f"{self.max_model_len}, leaving no room to generate")
+        else:
+            max_tokens = params.max_tokens
+            if len(prompt_ids) + max_tokens > self.max_model_len:
+                raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                                                        f"({max_tokens}) exceeds max_model_len ({self.max_model_len})")
+        blocks_needed = cdiv(len(prompt_ids) + max_tokens, self.config.block_size)
+        if blocks_needed > self.kv_cache.pool.num_blocks:
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens needs {blocks_needed} KV blocks, "
+                                                    f"the whole cache has {self.kv_cache.pool.num_blocks}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests); retry later")
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                          arrival_seq=next(self._arrivals),
+                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                          max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("prompt", "token ids must be integers")
+            if any(t < 0 or t >= self.arch.vocab_size for t in ids):
+                raise InvalidRequestError("prompt", f"token ids must be in [0, {self.arch.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Its final output (finish_reason "abort") is
+        returned by the next ``step()``. Returns False if the request is not in flight."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._pending_outputs.append(self._finish_output(request, [], "", [], None))
+        return True
+
+    # ---- the loop --------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, one forward pass, sample, update. Returns an output for
+        every request that produced tokens or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        block_ids = {r.request_id: [b.block_id for b in self.kv_cache.blocks_of(r.request_id)]
+                     for r in sched.requests}
+        input_ids, meta, sampling = self.runner.prepare(sched.requests, sched.num_scheduled_tokens, block_ids)
+        logits = self.runner.execute(input_ids, meta)
+        sampled = self.sampler(logits, sampling) if sampling else None
+        for request in sched.requests:
+            self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
+                                                   request.num_prompt_tokens - request.num_computed_tokens))
+        self.scheduler.update_after_step(sched)
+        self.num_steps += 1
+        for row, request in enumerate(sampling):
+            outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> RequestOutput:
+        params = request.sampling_params
+        request.append_token(token_id)
+        self.generation_tokens_total += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        detok = self._detokenizers[request.request_id]
+        finish: str | None = None
+        stop_reason: str | int | None = None
+        delta = ""
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            finish, stop_reason = "stop", token_id
+        elif token_id in params.stop_token_ids:
+            finish, stop_reason = "stop", token_id
+        else:
+            delta, stop_string = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
+            if stop_string is not None:
+                finish, stop_reason = "stop", stop_string
+        if finish is None and (request.num_output_tokens >= request.max_tokens
+                               or request.num_tokens >= self.max_model_len):
+            finish = "length"
+        new_logprobs = [logprobs] if logprobs is not None else None
+        if finish is None:
+            return self._output(request, [token_id], delta, new_logprobs, None)
+        if not isinstance(stop_reason, str):
+            delta += detok.finish()  # release text held back for a stop string that never came
+        status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
+        self.scheduler.finish_request(request, status)
+        return self._finish_output(request, [token_id], delta, new_logprobs, stop_reason)
+
+    def _output(self, request: Request, new_ids: list[int], delta: str,
+                new_logprobs: list[dict[int, float]] | None, finish_reason: str | None,
+                stop_reason: str | int | None = None) -> RequestOutput:
+        want_logprobs = request.sampling_params.logprobs is not None
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=new_ids, new_text=delta,
+            token_ids=list(request.output_token_ids), text=self._detokenizers[request.request_id].text,
+            finish_reason=finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_logprobs=new_logprobs if want_logprobs else None,
+            logprobs=list(request.logprobs) if want_logprobs else None, stop_reason=stop_reason)
+
+    def _finish_output(self, request: Request, new_ids: list[int], delta: str,
+                       new_logprobs: list[dict[int, float]] | None, stop_reason: str | int | None) -> RequestOutput:
+        output = self._output(request, new_ids, delta, new_logprobs, request.status.value, stop_reason)
+        del self.requests[request.request_id]
+        del self._detokenizers[request.request_id]
+        return output
+
+    # ---- convenience and introspection -------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Submit all prompts at once, run to completion, return final outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, p)
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    finals[output.request_id] = output
+        return [finals[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        used = pool.num_blocks - pool.num_free_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_cached=pool.num_cached_blocks, kv_usage=used / pool.num_blocks,
+            prefix_cache_queried_tokens=self.kv_cache.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block accounting is inconsistent."""
+        live = {r.request_id: r for r in self.scheduler.running}
+        for request in self.scheduler.waiting:
+            if self.kv_cache.blocks_of(request.request_id):
+                raise AssertionError(f"waiting request {request.request_id} holds KV blocks")
+        self.kv_cache.check_invariants(live)
+        if set(live) | {r.request_id for r in self.scheduler.waiting} != set(self.requests):
+            raise AssertionError("engine and scheduler disagree on the live requests")
+        if not self.requests and self.kv_cache.pool.num_free_blocks != self.kv_cache.pool.num_blocks:
+            raise AssertionError("no request is live but some KV blocks are not free")

@@ -1,0 +1,20 @@
+"""Error types the engine raises at request submission.
+
+They map one-to-one onto Triton error codes in the serving layer:
+``InvalidRequestError`` -> INVALID_ARG, ``QueueFullError`` -> UNAVAILABLE,
+anything else -> INTERNAL.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request (prompt or sampling parameter) is invalid. ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` already; retry later."""

@@ -1,0 +1,126 @@
+"""Maps requests to KV blocks: on-demand allocation, prefix-cache lookup and registration.
+
+The scheduler asks two questions: "how much of this prompt is already cached?"
+(``get_computed_blocks``) and "give this request room for N more tokens"
+(``allocate_slots``, which fails without side effects when blocks run out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from backend.block_pool import BlockPool, KVBlock
+from backend.request import Request
+
+_ROOT_HASH = b"\x00" * 32
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: it identifies the block's tokens *and* everything before
+    them, which is what K/V depend on. sha256 so that collisions are not a correctness risk."""
+    digest = hashlib.sha256(parent_hash or _ROOT_HASH)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_registered: dict[str, int] = {}   # leading blocks of a request already hashed into the cache
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self.req_blocks.get(request_id, [])
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request's tokens, in whole blocks. The last token is
+        never served from cache: its logits must be computed."""
+        if not self.enable_caching or request.num_computed_tokens > 0:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queried_tokens += request.num_tokens
+        self.prefix_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` after the request's computed tokens (and after
+        ``computed_blocks``, a prefix hit being attached now). Returns False, changing
+        nothing, when there are not enough free blocks."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        # Reviving a free cached block consumes a free-queue entry just like a new block.
+        num_revived = sum(1 for b in computed_blocks if b.ref_count == 0)
+        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(computed_blocks)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        self._register_full_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Put the blocks that this step fills completely into the prefix cache. Their K/V are
+        written in this step's forward pass before any attention reads them, so even a request
+        admitted later in the same step may share them."""
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        start = self._num_registered.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_registered[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def check_invariants(self, live_requests: dict[str, Request]) -> None:
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for request_id, blocks in self.req_blocks.items():
+            request = live_requests.get(request_id)
+            if request is None:
+                raise AssertionError(f"blocks held by unknown or finished request {request_id}")
+            if len(blocks) < cdiv(request.num_computed_tokens, self.block_size):
+                raise AssertionError(f"{request_id}: {len(blocks)} blocks cannot hold "
+                                     f"{request.num_computed_tokens} computed tokens")
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_count != refs.get(block.block_id, 0):
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, "
+                                     f"held by {refs.get(block.block_id, 0)} requests")

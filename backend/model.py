@@ -1,0 +1,273 @@
+"""Llama-family decoder (llama, mistral, qwen2, qwen3) over a packed batch with a paged KV cache.
+
+One forward computes every scheduled token of every request at once; attention reads K/V
+only from the paged cache through ``kernels``. Weights come from a Hugging Face folder
+(safetensors) or are random (``load_format="dummy"``) from its config.json. q/k/v and
+gate/up projections are fused at load time (fewer, larger matmuls).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """What the forward pass needs from config.json, normalised across model families."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    initializer_range: float
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelArchitecture":
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+        # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
+        # rope_theta + rope_scaling at the top level.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        num_heads = cfg["num_attention_heads"]
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        if model_type == "mistral" and cfg.get("sliding_window"):
+            # Attention here is full-context: only serve what the sliding window would see.
+            max_pos = min(max_pos, cfg["sliding_window"])
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            initializer_range=cfg.get("initializer_range", 0.02),
+        )
+
+
+def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the input dtype, exactly as transformers does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (halves rotated, HF layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one packed step (see kernels/reference.py for the layout)."""
+    positions: torch.Tensor         # [num_tokens] absolute position of each token
+    slot_mapping: torch.Tensor      # [num_tokens] cache slot each new K/V is written to
+    query_start_loc: torch.Tensor   # [num_seqs + 1] cu_seqlens of the queries
+    seq_lens: torch.Tensor          # [num_seqs] context + new tokens
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] block ids, padded with 0
+    logits_indices: torch.Tensor    # rows whose next-token logits are needed
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                    meta.block_tables, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+
+class CausalLM(nn.Module):
+    """Parameter names mirror transformers' (``model.layers.N...``), except the fused
+    ``qkv_proj`` / ``gate_up_proj``, so checkpoints map with a small rename table."""
+
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Returns float32 logits for the rows in ``meta.logits_indices``."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_cos_sin(meta.positions, h.dtype)
+        for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h[meta.logits_indices])
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+
+# ---- weights -------------------------------------------------------------------------------
+_FUSED = {  # fused parameter -> the checkpoint's parts, in concatenation order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0) -> CausalLM:
+    folder = Path(folder)
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    model = model.to_empty(device=device)
+    model.inv_freq = rope_inverse_frequencies(arch).to(device)
+    if load_format == "dummy":
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in model.named_parameters():
+            values = (torch.ones(param.shape) if name.endswith("norm.weight") else
+                      torch.randn(param.shape, generator=generator) * arch.initializer_range)
+            param.data.copy_(values)
+    else:
+        _load_checkpoint(model, _checkpoint_tensors(folder))
+    return model.to(dtype).eval()
+
+
+def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, param in params.items():
+        sources = [name]
+        for fused, parts in _FUSED.items():
+            if fused + "." in name:
+                sources = [name.replace(fused, part) for part in parts]
+        missing = [s for s in sources if s not in tensors]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing} (needed for {name})")
+        value = torch.cat([tensors[s] for s in sources], dim=0) if len(sources) > 1 else tensors[sources[0]]
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+        param.data.copy_(value)
+        loaded.update(sources)
+    ignored = {k for k in tensors if k not in loaded and not k.endswith("rotary_emb.inv_freq")}
+    if model.lm_head is None:
+        ignored.discard("lm_head.weight")  # tied: some checkpoints store the copy anyway
+    if ignored:
+        raise KeyError(f"checkpoint tensors not used by the model: {sorted(ignored)[:5]}")

@@ -1,0 +1,77 @@
+"""One generation request and its life cycle inside the engine.
+
+The engine's whole scheduling state of a request is ``num_computed_tokens`` (tokens
+whose K/V are in the cache) against ``token_ids`` (prompt + generated so far).
+Prefill chunks, decodes, prefix hits and resumption after preemption all follow
+the same rule: catch the counter up with the token list.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_seq: int                      # global submission order; breaks priority ties
+    arrival_time: float
+    max_tokens: int                       # resolved against max_model_len at submission
+    eos_token_ids: frozenset[int]
+    token_ids: list[int] = field(init=False)   # prompt + output, the list the counter catches up with
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1           # prompt tokens served from the prefix cache (set on first admission)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    generator: torch.Generator | None = None   # per-request RNG when a seed is given
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Lower sorts first: served earlier, preempted later."""
+        return (self.sampling_params.priority, self.arrival_seq)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

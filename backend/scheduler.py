@@ -1,0 +1,179 @@
+"""Iteration-level scheduler: decides, every step, how many tokens each request computes.
+
+Each step: running requests first (decodes and unfinished prefill chunks), then admission
+from the waiting queue, all under a token budget (``max_num_batched_tokens``) and a
+sequence cap (``max_num_seqs``). When KV blocks run out, the lowest-priority,
+latest-arrived running request is preempted by recompute: its blocks are freed, its
+counter reset, and it goes back to the waiting queue (where its early arrival puts it
+near the front). ``batching="static"`` is the naive baseline: a new batch is formed only
+once every request of the previous one has finished.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from backend.config import EngineConfig
+from backend.kv_cache_manager import KVCacheManager, cdiv
+from backend.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # request_id -> number of tokens to compute this step, in batch order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class WaitingQueue:
+    """Requests ordered by a key: (priority, arrival) or (0, arrival) for FCFS. A preempted
+    request keeps its arrival number, so it re-enters ahead of later arrivals."""
+
+    def __init__(self, use_priority: bool) -> None:
+        self.use_priority = use_priority
+        self._heap: list[tuple[tuple[int, int], Request]] = []
+
+    def key(self, request: Request) -> tuple[int, int]:
+        return (request.sampling_params.priority if self.use_priority else 0, request.arrival_seq)
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self.key(request), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [item for item in self._heap if item[1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (item[1] for item in sorted(self._heap, key=lambda item: item[0]))
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting = WaitingQueue(config.scheduling_policy == "priority")
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and release its blocks (finish or abort)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- the step decision ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.batching == "static" and not self.running:
+            self._form_static_batch()
+
+        # 1. Running requests: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                i += 1  # a whole prefill must fit; later (smaller) requests may still go
+                continue
+            num_new = min(remaining, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = max(self.running, key=self.waiting.key)
+                if self.running.index(victim) < i:
+                    i -= 1
+                budget += out.num_scheduled_tokens.pop(victim.request_id, 0)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.num_scheduled_tokens[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+
+        # 2. Admission from the waiting queue; not in a step that had to preempt (memory is
+        #    tight), and never mid-batch under static batching.
+        if not out.preempted and self.config.batching == "continuous":
+            self._admit(out, budget)
+
+        out.requests = [r for r in self.running if r.request_id in out.num_scheduled_tokens]
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            remaining = request.num_tokens - num_hit
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break  # keep policy order: nothing jumps the queue
+            num_new = min(remaining, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+    def _form_static_batch(self) -> None:
+        """Naive batching: take up to max_num_seqs requests whose *maximum* lengths fit in the
+        free KV blocks together (so the batch never preempts), then run them to completion.
+        No prefix-cache hits: this is the baseline continuous batching is measured against."""
+        reserved = 0
+        while len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            need = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv_cache.block_size)
+            if reserved + need > self.kv_cache.num_free_blocks:
+                break
+            reserved += need
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = 0
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self.add_request(request)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance each scheduled request's counter by what this step computed."""
+        for request in out.requests:
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]

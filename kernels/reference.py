@@ -1,0 +1,62 @@
+"""Reference implementations (plain torch): the spec the GPU kernels are tested against.
+
+Layout
+------
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+  Token slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
+- The batch is *packed*: all query tokens of all sequences concatenated. Sequence ``i``
+  owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are its *last*
+  ``n_i`` tokens of ``seq_lens[i]`` in total, so the first ``seq_lens[i] - n_i`` tokens
+  are context already in the cache (prefix hit, earlier chunk, or earlier decodes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots.
+    Slots < 0 are padding and are skipped."""
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                              block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` over K/V read
+    only from the paged cache (grouped-query: ``num_heads`` a multiple of ``num_kv_heads``).
+    Softmax in float32; the output has the query's dtype."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        num_queries = q_end - q_start
+        if num_queries == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)                        # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()                              # [num_queries, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale           # [num_heads, num_queries, seq_len]
+        # Query j sits at absolute position context_len + j and sees keys 0..context_len + j.
+        context_len = seq_len - num_queries
+        q_pos = torch.arange(num_queries, device=query.device).unsqueeze(1) + context_len
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
