@@ -54,6 +54,20 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"EngineConfig: {message}")
 
+        for f in dataclasses.fields(self):
+            value, annotation = getattr(self, f.name), str(f.type)
+            if value is None:
+                check("None" in annotation, f"{f.name} must not be None")
+            elif annotation.startswith(("int", "bool")):
+                expected = bool if annotation.startswith("bool") else int
+                check(isinstance(value, expected) and (expected is bool or not isinstance(value, bool)),
+                      f"{f.name} must be {expected.__name__}, got {value!r}")
+            elif annotation.startswith("float"):
+                check(isinstance(value, (int, float)) and not isinstance(value, bool),
+                      f"{f.name} must be a number, got {value!r}")
+            else:
+                check(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
+
         check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
               f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         check(self.block_size >= 1, "block_size must be >= 1")

@@ -57,6 +57,11 @@ class IncrementalDetokenizer:
         self.text += self._pending_text(force=True)
         return self._emit(len(self.text))
 
+    @property
+    def released_text(self) -> str:
+        """What has been returned as deltas so far (excludes a tail held back for stop strings)."""
+        return self.text[:self._num_emitted]
+
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
         tail = self.text[-self.max_stop_len:] if self.max_stop_len else ""

@@ -206,7 +206,7 @@ class Engine:
         want_logprobs = request.sampling_params.logprobs is not None
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_ids, new_text=delta,
-            token_ids=list(request.output_token_ids), text=self._detokenizers[request.request_id].text,
+            token_ids=list(request.output_token_ids), text=self._detokenizers[request.request_id].released_text,
             finish_reason=finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_logprobs=new_logprobs if want_logprobs else None,

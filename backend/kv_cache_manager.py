@@ -64,9 +64,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queried_tokens += request.num_tokens
-        self.prefix_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a lookup once its request is admitted (a failed admission retries next step
+        and must not inflate the hit-rate statistics)."""
+        if self.enable_caching:
+            self.prefix_queried_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:

@@ -11,6 +11,7 @@ from backend.errors import InvalidRequestError
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_SEED = 2**63  # torch.Generator seeds are signed 64-bit
 
 
 def _is_int(value: Any) -> bool:
@@ -41,8 +42,13 @@ class SamplingParams:
     logprobs: int | None = None          # top-n logprobs per generated token (0 = sampled token only)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        # JSON clients send null for "none" (OpenAI style); a single stop string is allowed too.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self._validate()
 
     @classmethod
@@ -56,8 +62,8 @@ class SamplingParams:
             raise InvalidRequestError("sampling_parameters", "must be a JSON object")
         unknown = sorted(set(values) - cls.field_names())
         if unknown:
-            raise InvalidRequestError(unknown[0], f"unknown sampling parameter (allowed: "
-                                                  f"{', '.join(sorted(cls.field_names()))})")
+            raise InvalidRequestError(", ".join(unknown), f"unknown sampling parameter(s) (allowed: "
+                                                           f"{', '.join(sorted(cls.field_names()))})")
         return cls(**values)
 
     @property
@@ -82,8 +88,8 @@ class SamplingParams:
             fail("top_k", "an integer >= 1, or 0 / -1 to disable")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "a number in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "an integer or null")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            fail("seed", "an integer in [0, 2**63) or null")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(

@@ -139,6 +139,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.pop()
+            self.kv_cache.record_prefix_lookup(request, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit

@@ -1,0 +1,63 @@
+"""Shared fixtures: the converted SmolLM2 folder, prompts, and Hugging Face reference outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+
+# Deterministic English prose; prompts of exact token lengths are sliced from its tokens.
+_PROSE = (
+    "Continuous batching lets requests join and leave the running batch at every step. "
+    "A paged key-value cache stores attention state in fixed-size blocks, like virtual memory, "
+    "so that no request reserves memory for a length it may never reach. When many users share "
+    "a long system prompt, the blocks holding it are computed once and reused by reference. "
+    "The scheduler chunks long prompts so that decoding requests are never starved, and when "
+    "memory runs out it preempts the newest request and recomputes it later. "
+    "In the old days a server collected a batch, ran it to completion, and only then looked at "
+    "the queue again; the longest request held everybody else hostage. "
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        pytest.fail(f"{MODEL_DIR} is missing: run `make model` (make test does it)")
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prose_ids(tokenizer) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < 2000:
+        ids += tokenizer(_PROSE * 4).input_ids
+    return ids
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding effects)."""
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            outs.append(generated[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

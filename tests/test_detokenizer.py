@@ -1,0 +1,401 @@
+"""Incremental detokenization and stop handling, with the real SmolLM2 tokenizer and model.
+
+Unit level: IncrementalDetokenizer fed one token at a time must stream deltas that add up
+to exactly ``tokenizer.decode(ids, skip_special_tokens=True)``, never leak half a UTF-8
+character or any part of a stop string. Engine level: stop strings, stop token ids, EOS
+and max_tokens end greedy generations exactly where a first, unconstrained run says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend import Engine, EngineConfig, RequestOutput, SamplingParams
+from backend.detokenizer import IncrementalDetokenizer
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
+EOS = 2
+STORY_PROMPT = "Once upon a time"
+STORY_TOKENS = 24
+
+TEXTS = [
+    "Café naïve — déjà vu, Ünïcödé ñ",
+    "日本語のテキスト 中文字符",
+    "🎉👍🏽 emoji 😀😃 and 🧑‍🚀",
+    " leading space and  double  spaces",
+    "line one\nline two\n\n\tindented\r\nend\n",
+    "mixed: 価格は€5です 🎉\n  — ok",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    if not (MODEL_DIR / "tokenizer.json").is_file():
+        pytest.fail(f"{MODEL_DIR} is missing: run `make model`")
+    return AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(EngineConfig(model=str(MODEL_DIR), num_kv_blocks=64, block_size=16))
+
+
+@dataclass
+class Streamed:
+    final: RequestOutput
+    outputs: list[RequestOutput]
+
+    @property
+    def deltas(self) -> list[str]:
+        return [o.new_text for o in self.outputs]
+
+
+def stream(engine: Engine, request_id: str, prompt: str | list[int], params: SamplingParams) -> Streamed:
+    """Run one request alone through add_request / step, keeping every output it produced."""
+    engine.add_request(request_id, prompt, params)
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs.extend(o for o in engine.step() if o.request_id == request_id)
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert outputs and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    return Streamed(outputs[-1], outputs)
+
+
+def feed(tokenizer: Any, ids: Sequence[int], stop: list[str] | None = None,
+         prompt_ids: Sequence[int] = ()) -> tuple[list[str], str | None, IncrementalDetokenizer, int]:
+    """Feed ids one by one as the engine does; returns deltas, the stop hit, the detokenizer
+    and how many ids were consumed (generation ends at a stop string)."""
+    detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), stop or [])
+    deltas: list[str] = []
+    for n, token in enumerate(ids, start=1):
+        delta, hit = detok.add_token(token)
+        deltas.append(delta)
+        if hit is not None:
+            return deltas, hit, detok, n
+    deltas.append(detok.finish())
+    return deltas, None, detok, len(ids)
+
+
+# ---- streaming == full decode ---------------------------------------------------------------
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("prompt", ["", "Hello", "chat"])
+def test_deltas_concatenate_to_full_decode(tokenizer: Any, text: str, prompt: str) -> None:
+    if prompt == "chat":
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+        prompt_ids = tokenizer(chat).input_ids
+    else:
+        prompt_ids = tokenizer(prompt).input_ids if prompt else []
+    ids = tokenizer(text).input_ids
+    deltas, hit, detok, _ = feed(tokenizer, ids, prompt_ids=prompt_ids)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected == text                      # the tokenizer round-trips these texts
+    assert hit is None
+    assert "".join(deltas) == expected
+    assert detok.text == expected
+    for delta in deltas:
+        assert "\ufffd" not in delta, f"replacement character streamed: {deltas!r}"
+
+
+def test_multibyte_characters_really_span_several_tokens(tokenizer: Any) -> None:
+    # Precondition of the tests above: single tokens decode to U+FFFD for these characters.
+    for text in ("🎉👍🏽", "日本語のテキスト"):
+        ids = tokenizer(text).input_ids
+        assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+        deltas, _, _, _ = feed(tokenizer, ids)
+        assert "" in deltas[:-1]                  # some tokens had to be held back
+
+
+def test_ascii_tokens_are_released_immediately(tokenizer: Any) -> None:
+    ids = tokenizer(" leading space\n\nnew line, ok").input_ids
+    deltas, _, _, _ = feed(tokenizer, ids)
+    assert deltas[:-1] == [tokenizer.decode([i]) for i in ids]
+    assert deltas[-1] == ""                       # finish() had nothing left to release
+
+
+def test_special_tokens_in_the_stream_are_skipped(tokenizer: Any) -> None:
+    ids = tokenizer("Hi").input_ids + [EOS] + tokenizer(" there 🎉").input_ids + [1]
+    deltas, _, _, _ = feed(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == "Hi there 🎉"
+
+
+def test_finish_releases_an_incomplete_character(tokenizer: Any) -> None:
+    ids = tokenizer("ok 🎉").input_ids
+    truncated = ids[:-1]                          # the emoji's last byte never comes
+    deltas, _, _, _ = feed(tokenizer, truncated)
+    assert "".join(deltas) == tokenizer.decode(truncated, skip_special_tokens=True)
+    assert "\ufffd" not in "".join(deltas[:-1])   # only finish() may release the broken tail
+
+
+# ---- stop strings ---------------------------------------------------------------------------
+
+FOX = "The quick brown fox jumps over the lazy dog."
+
+
+def assert_no_stop_prefix_leaked(deltas: list[str], final_text: str) -> None:
+    """Every prefix of the stream is a prefix of the final text, which ends before the stop."""
+    streamed = ""
+    for delta in deltas:
+        streamed += delta
+        assert final_text.startswith(streamed), f"streamed {streamed!r} beyond {final_text!r}"
+    assert streamed == final_text
+
+
+@pytest.mark.parametrize(("stop", "expected_text", "expected_tokens"), [
+    ("brown fox", "The quick ", 4),          # spans " brown" + " fox"
+    ("fox jumps over", "The quick brown ", 6),   # spans three tokens
+    ("k b", "The quic", 3),                  # ends one character into a token
+    ("row", "The quick b", 3),               # inside a single token
+    ("The", "", 1),                          # the very first token
+    ("dog.", "The quick brown fox jumps over the lazy ", 10),   # the last two tokens
+])
+def test_stop_string_ends_generation_and_is_not_emitted(tokenizer: Any, stop: str, expected_text: str,
+                                                        expected_tokens: int) -> None:
+    ids = tokenizer(FOX).input_ids
+    deltas, hit, detok, consumed = feed(tokenizer, ids, [stop])
+    assert hit == stop
+    assert consumed == expected_tokens
+    assert detok.text == expected_text
+    assert stop not in "".join(deltas)
+    assert_no_stop_prefix_leaked(deltas, expected_text)
+
+
+def test_stop_string_spanning_multibyte_tokens(tokenizer: Any) -> None:
+    text = "Price: 日本語のテキスト and more"
+    ids = tokenizer(text).input_ids
+    deltas, hit, detok, _ = feed(tokenizer, ids, ["本語の"])
+    assert hit == "本語の"
+    assert detok.text == "Price: 日"
+    assert_no_stop_prefix_leaked(deltas, "Price: 日")
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_partial_stop_that_is_not_a_stop_is_released(tokenizer: Any) -> None:
+    ids = tokenizer(FOX).input_ids
+    detok = IncrementalDetokenizer(tokenizer, [], ["lazy cat"])
+    streamed = ""
+    held_back_seen = False
+    for token in ids:
+        delta, hit = detok.add_token(token)
+        assert hit is None
+        streamed += delta
+        if streamed.endswith("the ") and detok.text.endswith("lazy"):
+            held_back_seen = True                 # "lazy" could still become "lazy cat"
+        if detok.text.endswith("dog"):
+            # " dog" rules the stop out: everything is released before finish().
+            assert streamed == detok.text
+    assert held_back_seen
+    assert streamed == FOX
+    assert detok.finish() == ""
+
+
+def test_partial_stop_at_the_end_is_released_by_finish(tokenizer: Any) -> None:
+    text = "over the lazy dog"
+    ids = tokenizer(text).input_ids
+    detok = IncrementalDetokenizer(tokenizer, [], [" dog!"])
+    streamed = "".join(detok.add_token(t)[0] for t in ids)
+    assert streamed == "over the lazy"            # " dog" is held back: it may become " dog!"
+    assert detok.finish() == " dog"
+
+
+@pytest.mark.parametrize("stops", [["brown", "quick brown"], ["quick brown", "brown"],
+                                   ["ick", "qu"], ["over", "fox", "jumps"], ["e", "Th"]])
+def test_earliest_stop_string_wins(tokenizer: Any, stops: list[str]) -> None:
+    ids = tokenizer(FOX).input_ids
+    deltas, hit, detok, _ = feed(tokenizer, ids, stops)
+    matches = [(FOX.find(s), s) for s in stops]
+    # The stop that completes first in the stream ends it; among those completing in the same
+    # token, the one starting earliest in the text. Compute it independently by prefix length.
+    completed_at = {s: next(n for n in range(1, len(ids) + 1)
+                            if s in tokenizer.decode(ids[:n])) for s in stops}
+    first_step = min(completed_at.values())
+    expected_index, expected_stop = min((i, s) for i, s in matches if completed_at[s] == first_step)
+    assert hit == expected_stop
+    assert detok.text == FOX[:expected_index]
+    assert_no_stop_prefix_leaked(deltas, FOX[:expected_index])
+
+
+def test_earliest_match_wins_within_one_token_regardless_of_list_order(tokenizer: Any) -> None:
+    ids = tokenizer(FOX).input_ids
+    for stops in (["ick", "qu"], ["qu", "ick"]):
+        _, hit, detok, consumed = feed(tokenizer, ids, stops)
+        assert (hit, detok.text, consumed) == ("qu", "The ", 2)
+
+
+# ---- engine level ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def story(engine: Engine) -> Streamed:
+    """First run: greedy, no stop; the reference for the runs below."""
+    return stream(engine, "story-ref", STORY_PROMPT, SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS))
+
+
+@dataclass
+class StopChoice:
+    stop: str
+    index: int            # where the stop string starts in the reference text
+    last_token: int       # index of the token that completes it
+
+
+@pytest.fixture(scope="module")
+def stop_choice(story: Streamed, tokenizer: Any) -> StopChoice:
+    """A substring of the reference text spanning a token boundary in its middle."""
+    ids, text = story.final.token_ids, story.final.text
+    pieces = [tokenizer.decode([t]) for t in ids]
+    middle = len(ids) // 2
+    for k in sorted(range(2, len(ids) - 2), key=lambda k: abs(k - middle)):
+        if len(pieces[k - 1]) < 2 or len(pieces[k]) < 2:
+            continue
+        boundary = len(tokenizer.decode(ids[:k]))
+        candidate = text[boundary - 2: boundary + 2]
+        if text.find(candidate) == boundary - 2 and candidate.strip():
+            return StopChoice(candidate, boundary - 2, k)
+    raise AssertionError(f"no usable token boundary in {text!r}")
+
+
+def test_reference_run_is_length_limited(story: Streamed, tokenizer: Any) -> None:
+    final = story.final
+    assert final.finish_reason == "length" and final.stop_reason is None
+    assert len(final.token_ids) == STORY_TOKENS
+    assert final.text == tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert "".join(story.deltas) == final.text
+    assert [t for o in story.outputs for t in o.new_token_ids] == final.token_ids
+
+
+def test_engine_stop_string_from_greedy_output(engine: Engine, story: Streamed, stop_choice: StopChoice) -> None:
+    run = stream(engine, "story-stop", STORY_PROMPT,
+                 SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[stop_choice.stop]))
+    final = run.final
+    assert final.finish_reason == "stop"
+    assert final.stop_reason == stop_choice.stop
+    assert final.text == story.final.text[:stop_choice.index]
+    assert stop_choice.stop not in final.text
+    assert "".join(run.deltas) == final.text
+    assert_no_stop_prefix_leaked(run.deltas, final.text)
+    # Generation ended on the token that completed the stop string, not later.
+    assert final.token_ids == story.final.token_ids[:stop_choice.last_token + 1]
+
+
+def test_engine_output_text_never_runs_ahead_of_the_stream(engine: Engine, stop_choice: StopChoice) -> None:
+    """RequestOutput.text is "everything released so far": at every step it must equal the
+    concatenated new_text deltas, so it can never show a held-back piece of a stop string."""
+    run = stream(engine, "story-stop-text", STORY_PROMPT,
+                 SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[stop_choice.stop]))
+    streamed = ""
+    for output in run.outputs:
+        streamed += output.new_text
+        assert output.text == streamed, (f"output.text {output.text!r} != streamed {streamed!r} "
+                                         f"(stop {stop_choice.stop!r})")
+
+
+def test_engine_multiple_stop_strings_earliest_wins(engine: Engine, story: Streamed,
+                                                    stop_choice: StopChoice) -> None:
+    text = story.final.text
+    later = text[len(text) - 6:].strip()
+    assert text.find(later) > stop_choice.index
+    run = stream(engine, "story-multi", STORY_PROMPT,
+                 SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[later, stop_choice.stop]))
+    assert run.final.stop_reason == stop_choice.stop
+    assert run.final.text == text[:stop_choice.index]
+    assert "".join(run.deltas) == run.final.text
+
+
+def test_engine_releases_held_back_text_when_length_ends_the_run(engine: Engine, story: Streamed) -> None:
+    """The reference text ends with what looks like the start of a stop string; when max_tokens
+    ends the run, that held-back tail must still reach the client."""
+    text = story.final.text
+    tail = text[-3:]
+    run = stream(engine, "story-partial-stop", STORY_PROMPT,
+                 SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop=[tail + "\u00a7never"]))
+    assert run.final.finish_reason == "length" and run.final.stop_reason is None
+    assert run.final.text == text
+    assert "".join(run.deltas[:-1]) == text[:-3]     # the tail was held back until the end
+    assert run.deltas[-1].endswith(tail)
+    assert "".join(run.deltas) == text
+
+
+def test_engine_stop_token_ids(engine: Engine, story: Streamed, tokenizer: Any) -> None:
+    ids = story.final.token_ids
+    k = next(i for i in range(3, len(ids)) if ids.index(ids[i]) == i)   # first occurrence
+    run = stream(engine, "story-stop-id", STORY_PROMPT,
+                 SamplingParams(temperature=0.0, max_tokens=STORY_TOKENS, stop_token_ids=[ids[k]]))
+    final = run.final
+    assert final.finish_reason == "stop"
+    assert final.stop_reason == ids[k]
+    assert final.token_ids == ids[:k + 1]
+    assert final.text == tokenizer.decode(ids[:k], skip_special_tokens=True)   # stop token not in text
+    assert "".join(run.deltas) == final.text
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(tokenizer: Any) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with one number."}],
+                                         tokenize=False, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def eos_run(engine: Engine, chat_prompt: str) -> Streamed:
+    return stream(engine, "chat-eos", chat_prompt, SamplingParams(temperature=0.0, max_tokens=32))
+
+
+def test_engine_eos_stops_generation(eos_run: Streamed, tokenizer: Any) -> None:
+    final = eos_run.final
+    assert final.finish_reason == "stop"
+    assert final.stop_reason == EOS
+    assert final.token_ids[-1] == EOS and EOS not in final.token_ids[:-1]
+    assert len(final.token_ids) < 32
+    assert final.text == tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert final.text.strip() and "<|im_end|>" not in final.text
+    assert "".join(eos_run.deltas) == final.text
+
+
+def test_engine_releases_held_back_text_at_eos(engine: Engine, chat_prompt: str, eos_run: Streamed) -> None:
+    text = eos_run.final.text
+    tail = text[-2:]
+    run = stream(engine, "chat-eos-partial-stop", chat_prompt,
+                 SamplingParams(temperature=0.0, max_tokens=32, stop=[tail + "\u00a7"]))
+    assert run.final.finish_reason == "stop" and run.final.stop_reason == EOS
+    assert run.final.text == text
+    assert "".join(run.deltas[:-1]) == text[:-2]
+    assert "".join(run.deltas) == text
+
+
+def test_engine_ignore_eos_runs_to_exactly_max_tokens(engine: Engine, chat_prompt: str, eos_run: Streamed,
+                                                      tokenizer: Any) -> None:
+    n = len(eos_run.final.token_ids)
+    run = stream(engine, "chat-ignore-eos", chat_prompt,
+                 SamplingParams(temperature=0.0, max_tokens=n + 3, ignore_eos=True))
+    final = run.final
+    assert final.finish_reason == "length"
+    assert final.stop_reason is None
+    assert len(final.token_ids) == n + 3
+    assert final.token_ids[:n] == eos_run.final.token_ids          # EOS generated, then ignored
+    assert final.text == tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert "".join(run.deltas) == final.text
+
+
+def test_engine_min_tokens_masks_eos(engine: Engine, chat_prompt: str, eos_run: Streamed) -> None:
+    n = len(eos_run.final.token_ids)
+    run = stream(engine, "chat-min-tokens", chat_prompt,
+                 SamplingParams(temperature=0.0, max_tokens=n + 3, min_tokens=n + 1))
+    assert EOS not in run.final.token_ids[:n + 1]
+    assert run.final.token_ids[:n - 1] == eos_run.final.token_ids[:n - 1]
+    assert len(run.final.token_ids) >= n + 1
+
+
+def test_engine_eos_as_stop_token_id_with_ignore_eos(engine: Engine, chat_prompt: str, eos_run: Streamed) -> None:
+    run = stream(engine, "chat-eos-stop-id", chat_prompt,
+                 SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=[EOS]))
+    assert run.final.finish_reason == "stop"
+    assert run.final.stop_reason == EOS
+    assert run.final.token_ids == eos_run.final.token_ids

@@ -1,0 +1,70 @@
+"""Greedy equality with transformers for tiny random-weight qwen2 (qkv bias, untied lm_head)
+and qwen3 (q/k norm, tied embeddings) models, built here from a config: no download."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend import Engine, EngineConfig, SamplingParams
+from tests.conftest import hf_greedy
+
+MAX_NEW_TOKENS = 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def make_tiny_model(kind: str, folder: Path, tokenizer_dir: Path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1,
+                  # Wide logits: random models at the usual 0.02 are near-uniform, so greedy
+                  # argmax would hinge on float rounding rather than on the computation.
+                  initializer_range=0.25)
+    if kind == "qwen2":
+        config, cls = Qwen2Config(tie_word_embeddings=False, rope_theta=10000.0, **common), Qwen2ForCausalLM
+    else:
+        config, cls = Qwen3Config(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0, **common), Qwen3ForCausalLM
+    torch.manual_seed(0 if kind == "qwen2" else 1)
+    model = cls(config).float().eval()
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, folder / name)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_tiny_model_matches_transformers(kind: str, tmp_path: Path, model_dir: Path, prose_ids: list[int]) -> None:
+    hf_model = make_tiny_model(kind, tmp_path, model_dir)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == kind
+    if kind == "qwen2":
+        assert "lm_head.weight" in _tensor_names(tmp_path)
+    prompts = [prose_ids[3 * i: 3 * i + n] for i, n in enumerate([1, 2, 5, 11, 16, 17, 40, 90, 160, 300])]
+    reference = hf_greedy(hf_model, prompts, MAX_NEW_TOKENS)
+    for engine_config in (dict(block_size=16, num_kv_blocks=256),
+                          dict(block_size=4, num_kv_blocks=120, max_num_batched_tokens=32, max_num_seqs=4)):
+        engine = Engine(EngineConfig(model=str(tmp_path), **engine_config))
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+        for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+            assert out.token_ids == ref, f"{kind} {engine_config} prompt {i}: {out.token_ids} != {ref}"
+        engine.check_invariants()
+
+
+def _tensor_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
