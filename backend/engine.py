@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import InvalidRequestError, QueueFullError
-from backend.kv_cache_manager import KVCacheManager, cdiv
+from backend.kv_cache_manager import KVCacheManager
 from backend.model import ModelArchitecture
 from backend.model_runner import ModelRunner
 from backend.outputs import RequestOutput
@@ -24,8 +24,7 @@ from backend.request import Request, RequestStatus
 from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
-
-Prompt = str | Sequence[int]
+from backend.validation import Prompt, RequestValidator
 
 
 @dataclass
@@ -47,7 +46,7 @@ class EngineStats:
         return asdict(self)
 
 
-def _load_tokenizer(folder: str) -> Any:
+def load_tokenizer(folder: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
@@ -67,13 +66,14 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.arch = ModelArchitecture.from_folder(config.model)
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, self.arch)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
+        self.validator = self.make_validator()
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -93,21 +93,8 @@ class Engine:
             raise InvalidRequestError("request_id", "must be a non-empty string")
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        prompt_ids = self._tokenize(prompt)
-        if params.max_tokens is None:
-            max_tokens = self.max_model_len - len(prompt_ids)
-            if max_tokens < 1:
-                raise InvalidRequestError("prompt", f"has {len(prompt_ids)} tokens; max_model_len is "
-                                                    f"{self.max_model_len}, leaving no room to generate")
-        else:
-            max_tokens = params.max_tokens
-            if len(prompt_ids) + max_tokens > self.max_model_len:
-                raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                                                        f"({max_tokens}) exceeds max_model_len ({self.max_model_len})")
-        blocks_needed = cdiv(len(prompt_ids) + max_tokens, self.config.block_size)
-        if blocks_needed > self.kv_cache.pool.num_blocks:
-            raise InvalidRequestError("max_tokens", f"prompt + max_tokens needs {blocks_needed} KV blocks, "
-                                                    f"the whole cache has {self.kv_cache.pool.num_blocks}")
+        validated = self.validator.validate(prompt, params)
+        prompt_ids, max_tokens = validated.prompt_token_ids, validated.max_tokens
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests); retry later")
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
@@ -118,20 +105,11 @@ class Engine:
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.scheduler.add_request(request)
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            ids = self.tokenizer(prompt).input_ids
-        else:
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InvalidRequestError("prompt", "token ids must be integers")
-            if any(t < 0 or t >= self.arch.vocab_size for t in ids):
-                raise InvalidRequestError("prompt", f"token ids must be in [0, {self.arch.vocab_size})")
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return ids
+    def make_validator(self, tokenizer: Any | None = None) -> RequestValidator:
+        """A validator with this engine's limits; pass a separate tokenizer to use it from
+        another thread (tokenizer objects are not shared across threads)."""
+        return RequestValidator(tokenizer or self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                self.config.block_size, self.kv_cache.pool.num_blocks)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Its final output (finish_reason "abort") is

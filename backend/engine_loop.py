@@ -1,0 +1,194 @@
+"""Runs an Engine on a thread of its own, for servers.
+
+Thread ownership:
+- The loop thread is the only one that touches the Engine (scheduler, KV cache, model).
+- Callers (e.g. Triton's ``execute``) call ``submit`` / ``abort`` from any thread: both
+  only validate and enqueue a command, then wake the loop; they never wait for a step.
+- Outputs are handed to each request's callback *on the loop thread*; callbacks must not
+  block (the Triton adapter puts them on its own sender thread's queue).
+- When there is nothing to do the loop sleeps on a condition variable: an idle server
+  uses no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from backend.engine import Engine, EngineStats, load_tokenizer
+from backend.errors import QueueFullError
+from backend.outputs import RequestOutput
+from backend.sampling_params import SamplingParams
+from backend.validation import Prompt, ValidatedPrompt
+
+logger = logging.getLogger(__name__)
+
+# Receives each RequestOutput of the request, or one exception that ends it.
+OutputCallback = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running a step; every in-flight request is ended with it."""
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    callback: OutputCallback
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class LatencySample:
+    kind: str        # "ttft" | "itl" | "e2e"
+    seconds: float
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # A tokenizer of its own: validation runs on callers' threads, detokenization on ours.
+        self.validator = engine.make_validator(load_tokenizer(engine.config.model))
+        self._cond = threading.Condition()
+        self._inbox: deque[_Submit | _Abort] = deque()
+        self._num_pending_submits = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # Loop-thread state.
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._arrival: dict[str, float] = {}
+        self._last_token_time: dict[str, float] = {}
+        # Read by other threads: a snapshot replaced (never mutated) after every iteration,
+        # and latency samples appended here and drained by a metrics reader.
+        self.stats: EngineStats = engine.stats()
+        self.latency_samples: deque[LatencySample] = deque(maxlen=100_000)
+
+    # ---- any thread -------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams,
+               callback: OutputCallback) -> ValidatedPrompt:
+        """Validate and enqueue. Raises InvalidRequestError or QueueFullError at once; after a
+        successful return every outcome (outputs or an error) arrives through ``callback``."""
+        validated = self.validator.validate(prompt, params)
+        with self._cond:
+            if self._stopping:
+                raise QueueFullError("the engine is shutting down")
+            # The engine's own queue length is read without its thread's cooperation; it is an
+            # estimate, and the engine re-checks when the command is applied.
+            waiting = self._num_pending_submits + len(self.engine.scheduler.waiting)
+            if waiting >= self.engine.config.max_waiting_requests:
+                raise QueueFullError(f"waiting queue is full ({self.engine.config.max_waiting_requests} "
+                                     f"requests); retry later")
+            self._inbox.append(_Submit(request_id, validated.prompt_token_ids, params, callback, time.monotonic()))
+            self._num_pending_submits += 1
+            self._cond.notify()
+        return validated
+
+    def abort(self, request_id: str) -> None:
+        """Ask the loop to abort a request; its callback then receives a final "abort" output."""
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (each callback gets its final output) and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                commands = list(self._inbox)
+                self._inbox.clear()
+                self._num_pending_submits = 0
+                stopping = self._stopping
+            for command in commands:
+                self._apply(command)
+            if stopping:
+                self._abort_all()
+                return
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving: fail what was in flight, not the server
+                logger.exception("engine step failed")
+                self._fail_all(EngineStepError(f"engine step failed: {exc!r}"))
+                continue
+            self._deliver(outputs)
+            self.stats = self.engine.stats()
+
+    def _apply(self, command: _Submit | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    arrival_time=command.arrival_time)
+        except Exception as exc:  # e.g. duplicate id or queue full: tell this request only
+            command.callback(exc)
+            return
+        self._callbacks[command.request_id] = command.callback
+        self._arrival[command.request_id] = command.arrival_time
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            request_id = output.request_id
+            callback = self._callbacks.get(request_id)
+            if callback is None:
+                continue
+            if output.new_token_ids:
+                last = self._last_token_time.get(request_id)
+                if last is None:
+                    self.latency_samples.append(LatencySample("ttft", now - self._arrival[request_id]))
+                else:
+                    self.latency_samples.append(LatencySample("itl", now - last))
+                self._last_token_time[request_id] = now
+            if output.finished:
+                self.latency_samples.append(LatencySample("e2e", now - self._arrival[request_id]))
+                del self._callbacks[request_id], self._arrival[request_id]
+                self._last_token_time.pop(request_id, None)
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("output callback of %s failed", request_id)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self._deliver(self.engine.step())
+        self.stats = self.engine.stats()
+
+    def _fail_all(self, error: BaseException) -> None:
+        callbacks = dict(self._callbacks)
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self.engine.step()  # collects the abort outputs; nothing else is left to run
+        self._callbacks.clear()
+        self._arrival.clear()
+        self._last_token_time.clear()
+        for request_id, callback in callbacks.items():
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("error callback of %s failed", request_id)
+        self.stats = self.engine.stats()

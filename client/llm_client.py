@@ -1,0 +1,237 @@
+"""Client library over tritonclient's gRPC streaming API and Triton's HTTP generate_stream.
+
+- ``LLMClient.stream(prompt, ...)``: one completion as text deltas on a stream of its own,
+  so that ``cancel()`` (or leaving the loop early) cancels exactly that request.
+- ``LLMClient.generate(prompt, ...)``: blocking; returns the whole completion.
+- ``LLMClient.stream_many(prompts, ...)``: many concurrent requests multiplexed over one
+  gRPC stream (one connection), chunks tagged with their request id.
+- ``http_generate_stream(...)``: the same deltas over HTTP server-sent events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc._infer_stream import _InferStream, _RequestIterator
+from tritonclient.utils import InferenceServerException
+
+DEFAULT_GRPC_URL = "127.0.0.1:8001"
+DEFAULT_HTTP_URL = "127.0.0.1:8000"
+DEFAULT_MODEL = "llm"
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                "return_num_cached_tokens")
+
+
+class LLMError(Exception):
+    """The server ended a request with an error (message as Triton sent it)."""
+
+
+@dataclass
+class StreamChunk:
+    request_id: str
+    text: str                       # the delta
+    num_output_tokens: int          # tokens in this delta
+    final: bool
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str | None
+    num_input_tokens: int | None
+    num_output_tokens: int
+    num_cached_tokens: int | None
+
+
+def build_inputs(prompt: str | list[int], sampling: dict[str, Any], stream: bool = True,
+                 exclude_input_in_output: bool = True) -> list[grpcclient.InferInput]:
+    def tensor(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    if isinstance(prompt, str):
+        inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
+    else:
+        inputs = [tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")]
+    inputs.append(tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"))
+    inputs.append(tensor("stream", np.array([stream]), "BOOL"))
+    inputs.append(tensor("exclude_input_in_output", np.array([exclude_input_in_output]), "BOOL"))
+    for flag in RETURN_FLAGS:
+        inputs.append(tensor(flag, np.array([True]), "BOOL"))
+    return inputs
+
+
+def parse_result(request_id: str, result: Any) -> StreamChunk:
+    """One Triton response -> StreamChunk (works for the empty final response too)."""
+    response = result.get_response()
+    final = response.parameters["triton_final_response"].bool_param if "triton_final_response" in response.parameters else True
+
+    def scalar(name: str) -> Any:
+        value = result.as_numpy(name)
+        return None if value is None or value.size == 0 else value.reshape(-1)[0]
+
+    text = scalar("text_output")
+    finish = scalar("finish_reason")
+    num_output = scalar("num_output_tokens")
+    num_input = scalar("num_input_tokens")
+    num_cached = scalar("num_cached_tokens")
+    return StreamChunk(request_id=request_id, text=text.decode("utf-8") if text is not None else "",
+                       num_output_tokens=int(num_output) if num_output is not None else 0, final=final,
+                       finish_reason=finish.decode() if finish is not None else None,
+                       num_input_tokens=int(num_input) if num_input is not None else None,
+                       num_cached_tokens=int(num_cached) if num_cached is not None else None)
+
+
+class _IdAwareStream(_InferStream):
+    """tritonclient drops the request id of error responses on a stream; with several
+    requests in flight on one stream we need it to tell whose error it is."""
+
+    def _process_response(self) -> None:
+        try:
+            for response in self._response_iterator:
+                request_id = response.infer_response.id
+                if response.error_message:
+                    self._callback(request_id, None, LLMError(response.error_message))
+                else:
+                    self._callback(request_id, grpcclient.InferResult(response.infer_response), None)
+        except Exception as exc:  # grpc.RpcError: the stream itself broke
+            self._active = False
+            self._callback(None, None, LLMError(f"stream failed: {exc}"))
+
+
+class _Connection:
+    """One gRPC channel with one bidirectional stream; responses routed by request id."""
+
+    def __init__(self, url: str, on_response: Callable[[str | None, Any, LLMError | None], None]) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client._stream = _IdAwareStream(on_response, False)
+        iterator = self.client._client_stub.ModelStreamInfer(_RequestIterator(self.client._stream))
+        self.client._stream._init_handler(iterator)
+
+    def send(self, model: str, request_id: str, inputs: list[grpcclient.InferInput]) -> None:
+        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+
+    def close(self, cancel: bool = False) -> None:
+        try:
+            self.client.stop_stream(cancel_requests=cancel)
+        finally:
+            self.client.close()
+
+
+class CompletionStream:
+    """Iterate for StreamChunks; ``cancel()`` (or breaking out of the loop) cancels the request."""
+
+    def __init__(self, url: str, model: str, request_id: str, inputs: list[grpcclient.InferInput]) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue[tuple[Any, LLMError | None]] = queue.Queue()
+        self._connection = _Connection(url, lambda rid, result, error: self._queue.put((result, error)))
+        self._done = False
+        self._connection.send(model, request_id, inputs)
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        try:
+            while not self._done:
+                result, error = self._queue.get()
+                if error is not None:
+                    self._done = True
+                    raise error
+                chunk = parse_result(self.request_id, result)
+                self._done = chunk.final
+                if chunk.text or chunk.num_output_tokens or chunk.final:
+                    yield chunk
+        finally:
+            self.close(cancel=not self._done)
+
+    def cancel(self) -> None:
+        self.close(cancel=True)
+
+    def close(self, cancel: bool = False) -> None:
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            connection.close(cancel=cancel)
+
+
+class LLMClient:
+    def __init__(self, url: str = DEFAULT_GRPC_URL, model: str = DEFAULT_MODEL) -> None:
+        self.url = url
+        self.model = model
+        self._ids = itertools.count()
+
+    def _next_id(self) -> str:
+        return f"client-{id(self):x}-{next(self._ids)}"
+
+    def stream(self, prompt: str | list[int], request_id: str | None = None, **sampling: Any) -> CompletionStream:
+        return CompletionStream(self.url, self.model, request_id or self._next_id(),
+                                build_inputs(prompt, sampling, stream=True))
+
+    def generate(self, prompt: str | list[int], **sampling: Any) -> Completion:
+        chunks = list(self.stream(prompt, **sampling))
+        final = chunks[-1]
+        return Completion(text="".join(c.text for c in chunks), finish_reason=final.finish_reason,
+                          num_input_tokens=final.num_input_tokens,
+                          num_output_tokens=sum(c.num_output_tokens for c in chunks),
+                          num_cached_tokens=final.num_cached_tokens)
+
+    def stream_many(self, prompts: Iterable[str | list[int]], **sampling: Any) -> Iterator[StreamChunk | tuple[str, LLMError]]:
+        """Send every prompt at once over one stream; yield chunks (or (request_id, error))
+        in arrival order until every request has ended."""
+        events: queue.Queue[tuple[str | None, Any, LLMError | None]] = queue.Queue()
+        connection = _Connection(self.url, lambda rid, result, error: events.put((rid, result, error)))
+        pending: set[str] = set()
+        try:
+            for prompt in prompts:
+                request_id = self._next_id()
+                pending.add(request_id)
+                connection.send(self.model, request_id, build_inputs(prompt, sampling, stream=True))
+            while pending:
+                request_id, result, error = events.get()
+                if request_id is None:       # the stream broke: every pending request failed
+                    for rid in sorted(pending):
+                        yield rid, error
+                    return
+                if error is not None:
+                    pending.discard(request_id)
+                    yield request_id, error
+                    continue
+                chunk = parse_result(request_id, result)
+                if chunk.final:
+                    pending.discard(request_id)
+                if chunk.text or chunk.num_output_tokens or chunk.final:
+                    yield chunk
+        finally:
+            connection.close(cancel=bool(pending))
+
+
+def http_generate_stream(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = DEFAULT_MODEL,
+                         timeout: float = 600.0, **sampling: Any) -> Iterator[StreamChunk]:
+    """Triton's HTTP generate_stream (server-sent events): one event per response."""
+    body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(sampling), **{flag: True for flag in RETURN_FLAGS}}
+    request = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for raw in response:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[len("data:"):])
+            if "error" in event:
+                raise LLMError(event["error"])
+            yield StreamChunk(request_id=event.get("id", ""), text=event.get("text_output", ""),
+                              num_output_tokens=int(event.get("num_output_tokens", 0)),
+                              final=event.get("finish_reason") is not None,
+                              finish_reason=event.get("finish_reason"),
+                              num_input_tokens=event.get("num_input_tokens"),
+                              num_cached_tokens=event.get("num_cached_tokens"))

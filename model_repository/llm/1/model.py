@@ -1,0 +1,230 @@
+"""Triton Python-backend adapter (decoupled): translates Triton requests into engine calls
+and engine outputs into Triton responses. Nothing else lives here.
+
+Threads: Triton's ``execute`` parses, validates and submits, then returns at once; the
+engine runs on the EngineLoop thread; responses are sent by one sender thread (``send``
+is a blocking round trip to the server); a poller thread checks cancellation and pushes
+engine statistics into Triton metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+# The engine lives in the project, not in this folder (which may be a temporary copy).
+PROJECT_ROOT = Path(os.environ.get("LLM_PROJECT_ROOT", Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(PROJECT_ROOT))
+
+from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams
+from backend.engine_loop import EngineLoop
+from server.metrics import EngineMetrics
+
+POLL_INTERVAL_S = 0.1
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+               "return_num_output_tokens", "return_num_cached_tokens", "return_logprobs")
+logger = logging.getLogger("llm")
+
+
+@dataclass
+class _Stream:
+    """Per-request state shared by execute (creates), the sender (removes) and the poller."""
+    request_id: str
+    sender: Any
+    flags: dict[str, bool]
+    prompt_text: str
+    num_prompt_tokens: int
+    cancelled: bool = False
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("the llm model must use the decoupled transaction policy")
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        config = EngineConfig.from_dict(params)
+        if not Path(config.model).is_absolute():
+            config.model = str(PROJECT_ROOT / config.model)
+        self.engine = Engine(config)
+        self.loop = EngineLoop(self.engine).start()
+        self.metrics = EngineMetrics(pb_utils, model=args["model_name"], version=args["model_version"])
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._outbox: queue.Queue[tuple[_Stream, RequestOutput | BaseException] | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
+        self._poller = threading.Thread(target=self._poll_loop, name="llm-poller", daemon=True)
+        self._sender.start()
+        self._poller.start()
+
+    # ---- Triton's thread --------------------------------------------------------------------
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except InvalidRequestError as exc:
+                self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except QueueFullError as exc:
+                self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not disturb the rest
+                logger.exception("failed to submit a request")
+                self._send_error(sender, f"internal error: {exc!r}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def _submit(self, request: Any, sender: Any) -> None:
+        flags = {name: _bool_input(request, name) for name in BOOL_INPUTS}
+        prompt_text, prompt = _prompt_input(request)
+        params = _sampling_params(request)
+        request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
+        stream = _Stream(request_id, sender, flags, prompt_text, 0)
+        with self._lock:
+            self._streams[request_id] = stream
+        try:
+            validated = self.loop.submit(request_id, prompt, params, lambda item: self._outbox.put((stream, item)))
+        except BaseException:
+            with self._lock:
+                del self._streams[request_id]
+            raise
+        stream.num_prompt_tokens = len(validated.prompt_token_ids)
+
+    # ---- sender thread ----------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            stream, result = item
+            try:
+                self._send_result(stream, result)
+            except Exception:  # noqa: BLE001 - e.g. the client went away: stop generating for it
+                logger.exception("sending a response of %s failed", stream.request_id)
+                self.loop.abort(stream.request_id)
+
+    def _send_result(self, stream: _Stream, result: RequestOutput | BaseException) -> None:
+        final = isinstance(result, BaseException) or result.finished
+        if final:
+            with self._lock:
+                self._streams.pop(stream.request_id, None)
+        if isinstance(result, BaseException):
+            code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, QueueFullError) else
+                    pb_utils.TritonError.INVALID_ARG if isinstance(result, InvalidRequestError) else
+                    pb_utils.TritonError.INTERNAL)
+            self._send_error(stream.sender, str(result), code)
+            return
+        if result.finish_reason == "abort" and stream.cancelled:
+            self.metrics.count_finished("cancelled")
+            self._send_error(stream.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+            return
+        if result.finished:
+            self.metrics.count_finished(result.finish_reason)
+        streaming = stream.flags["stream"]
+        if not streaming and not final:
+            return  # non-streaming: exactly one response, carrying the final flag
+        response = pb_utils.InferenceResponse(output_tensors=self._output_tensors(stream, result, streaming))
+        stream.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def _output_tensors(self, stream: _Stream, out: RequestOutput, streaming: bool) -> list[Any]:
+        flags = stream.flags
+        if streaming:
+            text, num_output, logprobs = out.new_text, len(out.new_token_ids), out.new_logprobs
+        else:
+            prefix = "" if flags["exclude_input_in_output"] else stream.prompt_text
+            text, num_output, logprobs = prefix + out.text, len(out.token_ids), out.logprobs
+        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if flags["return_finish_reason"] and out.finished:
+            tensors.append(pb_utils.Tensor("finish_reason", np.array([out.finish_reason.encode()], dtype=np.object_)))
+        if flags["return_num_input_tokens"]:
+            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
+        if flags["return_num_output_tokens"]:
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([num_output], dtype=np.uint32)))
+        if flags["return_num_cached_tokens"]:
+            tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([out.num_cached_tokens], dtype=np.uint32)))
+        if flags["return_logprobs"] and logprobs is not None:
+            payload = json.dumps([{str(k): v for k, v in entry.items()} for entry in logprobs])
+            tensors.append(pb_utils.Tensor("logprobs", np.array([payload.encode()], dtype=np.object_)))
+        return tensors
+
+    @staticmethod
+    def _send_error(sender: Any, message: str, code: Any) -> None:
+        error = pb_utils.TritonError(message, code)
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    # ---- poller thread ----------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL_S):
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                try:
+                    if not stream.cancelled and stream.sender.is_cancelled():
+                        stream.cancelled = True
+                        self.loop.abort(stream.request_id)
+                except Exception:  # noqa: BLE001
+                    logger.exception("cancellation check of %s failed", stream.request_id)
+            try:
+                self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size)
+            except Exception:  # noqa: BLE001 - metrics must never take the server down
+                logger.exception("metrics update failed")
+
+    def finalize(self) -> None:
+        self._stop.set()
+        self._poller.join(5)
+        self.loop.stop()            # every open stream gets its final ("abort") output
+        self._outbox.put(None)      # ...which the sender flushes before it exits
+        self._sender.join(30)
+
+
+# ---- input parsing ------------------------------------------------------------------------------
+def _bool_input(request: Any, name: str) -> bool:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return False
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise InvalidRequestError(name, "must hold exactly one boolean")
+    return bool(values[0])
+
+
+def _prompt_input(request: Any) -> tuple[str, str | list[int]]:
+    """Returns (prompt text for echoing, prompt for the engine: text or token ids)."""
+    text_tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
+    ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if text_tensor is not None:
+        values = text_tensor.as_numpy().reshape(-1)
+        if values.size != 1:
+            raise InvalidRequestError("text_input", "must hold exactly one string")
+        raw = values[0]
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidRequestError("text_input", f"is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+        return raw, raw
+    if ids_tensor is not None:
+        return "", [int(t) for t in ids_tensor.as_numpy().reshape(-1)]
+    raise InvalidRequestError("text_input", "missing: send text_input (BYTES) or input_ids (INT32)")
+
+
+def _sampling_params(request: Any) -> SamplingParams:
+    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
+    if tensor is None:
+        return SamplingParams()
+    raw = tensor.as_numpy().reshape(-1)
+    if raw.size != 1:
+        raise InvalidRequestError("sampling_parameters", "must hold exactly one JSON string")
+    try:
+        values = json.loads(raw[0])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError("sampling_parameters", f"malformed JSON: {exc}")
+    return SamplingParams.from_dict(values)

@@ -1,0 +1,1 @@
+"""Starting the real tritonserver (shipped inside the PyPI package nvidia-pytriton)."""

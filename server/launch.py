@@ -1,0 +1,202 @@
+"""Start the real ``tritonserver`` binary from nvidia-pytriton on 127.0.0.1 with our model
+repository, wait until the model is ready, stop cleanly on Ctrl-C / SIGTERM.
+
+    python -m server.launch [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+                            [--param batching=static --param max_waiting_requests=8]
+
+``--param`` overrides an engine parameter of config.pbtxt in a temporary copy of the
+repository (the checked-in one is never modified). Tests use ``TritonServer`` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+MODEL_NAME = "llm"
+
+
+def _pytriton_dirs() -> tuple[Path, Path]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed (run `make setup`)")
+    package = Path(list(spec.submodule_search_locations)[0])
+    return package / "tritonserver", package.parent / "nvidia_pytriton.libs"
+
+
+def backend_directory() -> Path:
+    """A Triton backends folder holding the Python backend and the stub for this Python."""
+    triton_dir, _ = _pytriton_dirs()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = triton_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    target = Path(tempfile.gettempdir()) / f"triton-backends-{os.getuid()}-{version}" / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for source in (triton_dir / "backends" / "python" / "libtriton_python.so",
+                   triton_dir / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        dest = target / source.name
+        if not dest.exists() or dest.stat().st_size != source.stat().st_size:
+            shutil.copy2(source, dest)
+    return target.parent
+
+
+def server_environment() -> dict[str, str]:
+    _, libs = _pytriton_dirs()
+    env = dict(os.environ)
+    # The server and the stub need pytriton's bundled libraries; the stub embeds *this*
+    # interpreter's libpython and must see this environment's packages and the repo.
+    lib_dirs = [str(libs), sysconfig.get_config_var("LIBDIR") or ""]
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in lib_dirs + [env.get("LD_LIBRARY_PATH", "")] if p)
+    # The stub ignores PYTHONPATH but resolves `python3` on PATH as its executable: putting this
+    # interpreter's bin/ first makes site.py find the virtual environment (pyvenv.cfg).
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["LLM_PROJECT_ROOT"] = str(REPO_ROOT)
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    return env
+
+
+def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
+    """Copy the model repository, overriding engine parameters in config.pbtxt."""
+    target = workdir / "model_repository"
+    shutil.copytree(MODEL_REPOSITORY, target, ignore=shutil.ignore_patterns("__pycache__"))
+    config = target / MODEL_NAME / "config.pbtxt"
+    text = config.read_text()
+    for key, value in params.items():
+        pattern = re.compile(r'(key:\s*"%s"\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
+        text, count = pattern.subn(lambda m: f'{m.group(1)}"{value}"', text)
+        if count != 1:
+            raise ValueError(f"config.pbtxt has no engine parameter {key!r}")
+    config.write_text(text)
+    return target
+
+
+class TritonServer:
+    """The real tritonserver as a child process (its own process group, so that stopping it
+    also stops the Python backend stubs it started)."""
+
+    def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 params: dict[str, str] | None = None, log_file: Path | None = None) -> None:
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.params = params or {}
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        triton_dir, _ = _pytriton_dirs()
+        repository = MODEL_REPOSITORY
+        if self.params:
+            self._workdir = tempfile.TemporaryDirectory(prefix="llm-repo-")
+            repository = repository_with_params(self.params, Path(self._workdir.name))
+        cmd = [str(triton_dir / "bin" / "tritonserver"),
+               f"--model-repository={repository}",
+               f"--backend-directory={backend_directory()}",
+               "--http-address=127.0.0.1", f"--http-port={self.http_port}",
+               "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+               "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+               "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
+               "--exit-on-error=true", "--log-verbose=0"]
+        out = open(self.log_file, "w") if self.log_file else None
+        self.process = subprocess.Popen(cmd, env=server_environment(), stdout=out, stderr=subprocess.STDOUT if out else None,
+                                        start_new_session=True)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready"
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready"
+                                   + (f"; see {self.log_file}" if self.log_file else ""))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"model {MODEL_NAME!r} not ready after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)   # tritonserver unloads models, then exits
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="override an engine parameter of config.pbtxt")
+    args = parser.parse_args(argv)
+    params = dict(p.split("=", 1) for p in args.param)
+    server = TritonServer(args.http_port, args.grpc_port, args.metrics_port, params)
+    stop_requested = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    server.start()
+    print(f"model '{MODEL_NAME}' is ready: HTTP {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {server.metrics_url}  (Ctrl-C stops)", flush=True)
+    while not stop_requested and server.process.poll() is None:
+        time.sleep(0.2)
+    code = server.process.poll()
+    server.stop()
+    print("tritonserver stopped", flush=True)
+    return 0 if code is None else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Engine metrics exported through Triton's custom-metrics API (Prometheus, metrics port).
+
+Takes the ``triton_python_backend_utils`` module as an argument rather than importing it,
+so this file imports outside a Triton stub too. Cumulative engine counters are mirrored
+as Prometheus counters by incrementing with the difference since the last update.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from backend.engine import EngineStats
+from backend.engine_loop import LatencySample
+
+# Seconds. Dense at the low end, where a CPU or GPU decode step lives.
+LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0]
+
+GAUGES = {  # metric name -> (description, EngineStats field)
+    "llm_num_requests_running": ("Requests in the running batch", "num_running"),
+    "llm_num_requests_waiting": ("Requests in the waiting queue", "num_waiting"),
+    "llm_kv_blocks_used": ("KV-cache blocks referenced by live requests", None),
+    "llm_kv_blocks_free": ("KV-cache blocks free (including cached, revivable ones)", "kv_blocks_free"),
+    "llm_kv_blocks_total": ("KV-cache blocks in the pool", "kv_blocks_total"),
+    "llm_kv_blocks_cached": ("KV-cache blocks registered in the prefix cache", "kv_blocks_cached"),
+    "llm_kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use (0-1)", "kv_usage"),
+}
+COUNTERS = {
+    "llm_prefix_cache_queried_tokens_total": ("Prompt tokens looked up in the prefix cache", "prefix_cache_queried_tokens"),
+    "llm_prefix_cache_hit_tokens_total": ("Prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
+    "llm_num_preemptions_total": ("Requests preempted (recomputed later) for lack of KV blocks", "num_preemptions"),
+    "llm_prompt_tokens_total": ("Prompt tokens computed (prefill, excluding cache hits)", "prompt_tokens_total"),
+    "llm_generation_tokens_total": ("Tokens generated", "generation_tokens_total"),
+    "llm_engine_steps_total": ("Engine iterations run", "num_steps"),
+}
+HISTOGRAMS = {  # LatencySample.kind -> (name, description)
+    "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token"),
+    "itl": ("llm_inter_token_latency_seconds", "Time between consecutive token outputs of a request"),
+    "e2e": ("llm_e2e_request_latency_seconds", "Time from arrival to the final output"),
+}
+TRTLLM_KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils: Any, model: str, version: str) -> None:
+        self._pb = pb_utils
+        self._labels = {"model": model, "version": version}
+        # Families must outlive their metrics (Triton invalidates a metric whose family is
+        # garbage-collected), so they are kept here.
+        self._families: dict[str, Any] = {}
+        self._gauges = {name: self._family(name, desc, "GAUGE").Metric(labels=self._labels)
+                        for name, (desc, _) in GAUGES.items()}
+        self._counters = {name: self._family(name, desc, "COUNTER").Metric(labels=self._labels)
+                          for name, (desc, _) in COUNTERS.items()}
+        self._last: dict[str, float] = {name: 0 for name in COUNTERS}
+        self._histograms = {kind: self._family(name, desc, "HISTOGRAM").Metric(labels=self._labels,
+                                                                               buckets=LATENCY_BUCKETS)
+                            for kind, (name, desc) in HISTOGRAMS.items()}
+        self._finished_family = self._family("llm_request_finished_total", "Requests finished, by finish reason",
+                                             "COUNTER")
+        self._finished: dict[str, Any] = {}
+        # The family TensorRT-LLM's backend exports; Triton builds the ORCA
+        # `endpoint-load-metrics` header (KV utilisation for load-aware routers) from it.
+        kv_family = self._family(TRTLLM_KV_FAMILY, "KV cache block metrics", "GAUGE")
+        self._kv_block = {kind: kv_family.Metric(labels={**self._labels, "kv_cache_block_type": kind})
+                          for kind in ("used", "free", "max", "tokens_per")}
+
+    def _family(self, name: str, description: str, kind: str) -> Any:
+        family = self._pb.MetricFamily
+        self._families[name] = family(name=name, description=description, kind=getattr(family, kind))
+        return self._families[name]
+
+    def count_finished(self, reason: str) -> None:
+        if reason not in self._finished:
+            self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
+        self._finished[reason].increment(1)
+
+    def update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int) -> None:
+        used = stats.kv_blocks_total - stats.kv_blocks_free
+        for name, (_, field) in GAUGES.items():
+            self._gauges[name].set(used if field is None else getattr(stats, field))
+        for name, (_, field) in COUNTERS.items():
+            value = getattr(stats, field)
+            if value > self._last[name]:
+                self._counters[name].increment(value - self._last[name])
+                self._last[name] = value
+        self._kv_block["used"].set(used)
+        self._kv_block["free"].set(stats.kv_blocks_free)
+        self._kv_block["max"].set(stats.kv_blocks_total)
+        self._kv_block["tokens_per"].set(block_size)
+        while samples:
+            sample = samples.popleft()
+            self._histograms[sample.kind].observe(sample.seconds)
