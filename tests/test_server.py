@@ -1,0 +1,392 @@
+"""Integration tests against the real tritonserver (started once per test session) with the
+decoupled llm model: streaming over gRPC and HTTP, concurrency, cancellation, errors,
+admission control and metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend import Engine, EngineConfig, SamplingParams
+from client import LLMClient, LLMError, StreamChunk, http_generate_stream
+from client.llm_client import build_inputs
+from server.launch import TritonServer
+
+pytestmark = pytest.mark.server
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, model_dir: Path):
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    srv = TritonServer(*free_ports(3), log_file=log)
+    srv.start(timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512))
+
+
+@pytest.fixture(scope="session")
+def client(server: TritonServer) -> LLMClient:
+    return LLMClient(server.grpc_url)
+
+
+def metrics(server: TritonServer) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for our families."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("llm_", "nv_trt_llm_")):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def metric(server: TritonServer, name: str, **labels: str) -> float:
+    for key, value in metrics(server).items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    raise KeyError(name)
+
+
+def kv_used(server: TritonServer) -> float:
+    return metric(server, "llm_kv_blocks_used")
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+GREEDY = dict(temperature=0.0)
+
+
+def test_grpc_and_http_streams_match_the_engine(client: LLMClient, server: TritonServer, engine: Engine) -> None:
+    prompt = "Why is static batching slow? Explain in detail."
+    expected = engine.generate([prompt], SamplingParams(max_tokens=40, **GREEDY))[0]
+    chunks = list(client.stream(prompt, max_tokens=40, **GREEDY))
+    assert "".join(c.text for c in chunks) == expected.text
+    assert sum(c.num_output_tokens for c in chunks) == len(expected.token_ids)
+    assert chunks[-1].final and chunks[-1].finish_reason == expected.finish_reason
+    assert chunks[-1].num_input_tokens == expected.num_prompt_tokens
+    assert len(chunks) > 5  # really streamed, not one lump
+    http_chunks = list(http_generate_stream(prompt, url=server.http_url, max_tokens=40, **GREEDY))
+    assert "".join(c.text for c in http_chunks) == expected.text
+    assert http_chunks[-1].finish_reason == expected.finish_reason
+
+
+def test_non_streaming_generate_returns_one_final_response(server: TritonServer, engine: Engine) -> None:
+    prompt = "The capital of France is"
+    expected = engine.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0]
+    body = {"text_input": prompt, "sampling_parameters": json.dumps({"max_tokens": 12, **GREEDY}),
+            "return_finish_reason": True, "return_num_output_tokens": True}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    # vLLM-backend convention: without exclude_input_in_output the prompt is echoed.
+    assert reply["text_output"] == prompt + expected.text
+    assert reply["finish_reason"] == expected.finish_reason
+    assert reply["num_output_tokens"] == len(expected.token_ids)
+
+
+def test_32_concurrent_streams_complete_correctly(client: LLMClient, server: TritonServer, engine: Engine) -> None:
+    words = "paged attention keeps the cache in blocks so many requests share memory".split()
+    prompts = [" ".join(words[: 2 + i % 11]) + f" (case {i})" * (1 + i % 4) for i in range(32)]
+    lengths = [4 + (i * 7) % 29 for i in range(32)]
+    expected = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True, **GREEDY) for n in lengths])
+    max_running = 0.0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal max_running
+        while not stop.is_set():
+            max_running = max(max_running, metric(server, "llm_num_requests_running"))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    texts: dict[str, str] = {}
+    tokens: dict[str, int] = {}
+    finals: dict[str, StreamChunk] = {}
+    order: list[str] = []
+    try:
+        # Different max_tokens per request: one stream_many call per length class would lose
+        # concurrency, so send them all over one connection with per-request parameters.
+        events = _stream_many_with_params(server, prompts, lengths)
+        for event in events:
+            assert not isinstance(event, tuple), f"request failed: {event}"
+            if event.request_id not in texts:
+                order.append(event.request_id)
+            texts[event.request_id] = texts.get(event.request_id, "") + event.text
+            tokens[event.request_id] = tokens.get(event.request_id, 0) + event.num_output_tokens
+            if event.final:
+                finals[event.request_id] = event
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(finals) == 32
+    for i, exp in enumerate(expected):
+        rid = f"many-{i}"
+        assert texts[rid] == exp.text, f"request {i}"
+        assert tokens[rid] == lengths[i]
+        assert finals[rid].finish_reason == "length"
+    assert max_running > 1, "requests never ran concurrently"
+
+
+def _stream_many_with_params(server: TritonServer, prompts: list[str], lengths: list[int]):
+    import queue as queue_module
+
+    from client.llm_client import _Connection, parse_result
+
+    events: queue_module.Queue = queue_module.Queue()
+    connection = _Connection(server.grpc_url, lambda rid, result, error: events.put((rid, result, error)))
+    pending = set()
+    try:
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            pending.add(f"many-{i}")
+            connection.send("llm", f"many-{i}", build_inputs(prompt, {"max_tokens": n, "ignore_eos": True, **GREEDY}))
+        while pending:
+            rid, result, error = events.get(timeout=300)
+            if error is not None:
+                pending.discard(rid)
+                yield (rid, error)
+                continue
+            chunk = parse_result(rid, result)
+            if chunk.final:
+                pending.discard(rid)
+            yield chunk
+    finally:
+        connection.close()
+
+
+def test_stream_many_over_one_connection(client: LLMClient) -> None:
+    results: dict[str, str] = {}
+    finals = 0
+    for event in client.stream_many([f"Count to {i}:" for i in range(6)], max_tokens=6, **GREEDY):
+        assert not isinstance(event, tuple), event
+        results[event.request_id] = results.get(event.request_id, "") + event.text
+        finals += event.final
+    assert finals == 6 and len(results) == 6
+
+
+def test_cancel_ends_with_cancelled_and_frees_blocks(client: LLMClient, server: TritonServer) -> None:
+    assert wait_for(lambda: kv_used(server) == 0, 10)
+    before = kv_used(server)
+    events: list = []
+    result_queue: list = []
+    done = threading.Event()
+
+    def on_response(rid, result, error) -> None:
+        events.append((result, error))
+        if error is not None or (result is not None and parse_final(result)):
+            done.set()
+
+    from client.llm_client import _Connection
+    connection = _Connection(server.grpc_url, on_response)
+    connection.send("llm", "to-cancel", build_inputs("Tell me a very long story about a dragon.",
+                                                      {"max_tokens": 400, "ignore_eos": True, **GREEDY}))
+    assert wait_for(lambda: len(events) >= 3, 60), "no tokens streamed"
+    assert kv_used(server) > before or wait_for(lambda: kv_used(server) > before, 1)
+    connection.close(cancel=True)
+    cancelled_at = time.monotonic()
+    assert wait_for(lambda: kv_used(server) == before, 1.5), "KV blocks not freed within a second of cancelling"
+    assert time.monotonic() - cancelled_at < 1.5
+    assert len(events) < 400
+    # The server records the request as cancelled, not finished normally.
+    assert wait_for(lambda: metric(server, "llm_request_finished_total", finish_reason="cancelled") >= 1, 2)
+    del result_queue
+
+
+def parse_final(result) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def test_cancel_over_client_stream_object_reports_cancelled(client: LLMClient, server: TritonServer) -> None:
+    stream = client.stream("Write an endless poem about the sea.", max_tokens=400, ignore_eos=True, **GREEDY)
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received == 3:
+            break   # leaving the loop cancels the request
+    assert wait_for(lambda: kv_used(server) == 0, 1.5)
+
+
+def raw_request(server: TritonServer, inputs: list[grpcclient.InferInput], timeout: float = 60) -> tuple[list, list]:
+    """Send one request on its own stream; return (results, errors) until final or error."""
+    results, errors = [], []
+    done = threading.Event()
+
+    def callback(result, error) -> None:
+        if error is not None:
+            errors.append(error)
+            done.set()
+        else:
+            results.append(result)
+            if parse_final(result):
+                done.set()
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=callback)
+    try:
+        c.async_stream_infer("llm", inputs, request_id="raw", enable_empty_final_response=True)
+        assert done.wait(timeout), "no final response or error"
+    finally:
+        c.stop_stream()
+        c.close()
+    return results, errors
+
+
+def tensor(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def text_input(raw: bytes) -> grpcclient.InferInput:
+    return tensor("text_input", np.array([raw], dtype=np.object_), "BYTES")
+
+
+def params_input(raw: str | bytes) -> grpcclient.InferInput:
+    raw = raw.encode() if isinstance(raw, str) else raw
+    return tensor("sampling_parameters", np.array([raw], dtype=np.object_), "BYTES")
+
+
+BAD_REQUESTS = {
+    "empty prompt": ([text_input(b""), params_input('{"max_tokens": 4}')], "prompt"),
+    "prompt too long": ([text_input(("word " * 9000).encode()), params_input('{"max_tokens": 4}')], "max_tokens"),
+    "malformed JSON": ([text_input(b"Hello"), params_input('{"max_tokens": 4,')], "sampling_parameters"),
+    "unknown sampling key": ([text_input(b"Hello"), params_input('{"max_tokenz": 4}')], "max_tokenz"),
+    "max_tokens 0": ([text_input(b"Hello"), params_input('{"max_tokens": 0}')], "max_tokens"),
+    "max_tokens negative": ([text_input(b"Hello"), params_input('{"max_tokens": -5}')], "max_tokens"),
+    "temperature below 0": ([text_input(b"Hello"), params_input('{"temperature": -0.5}')], "temperature"),
+    "top_p 0": ([text_input(b"Hello"), params_input('{"top_p": 0}')], "top_p"),
+    "top_p above 1": ([text_input(b"Hello"), params_input('{"top_p": 1.5}')], "top_p"),
+    "invalid UTF-8": ([text_input(b"caf\xc3\x28 \xff"), params_input('{"max_tokens": 4}')], "UTF-8"),
+    "wrong JSON value type": ([text_input(b"Hello"), params_input('{"max_tokens": "ten"}')], "max_tokens"),
+    "wrong tensor type": ([tensor("text_input", np.array([1], dtype=np.int32), "INT32")], "text_input"),
+    "no prompt at all": ([params_input('{"max_tokens": 4}')], "text_input"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_a_clear_error_and_others_keep_streaming(case: str, client: LLMClient,
+                                                                  server: TritonServer, engine: Engine) -> None:
+    inputs, field = BAD_REQUESTS[case]
+    expected = engine.generate(["Once upon a time"], SamplingParams(max_tokens=24, **GREEDY))[0].text
+    healthy: dict[str, object] = {}
+
+    def run_healthy() -> None:
+        try:
+            healthy["text"] = "".join(c.text for c in client.stream("Once upon a time", max_tokens=24, **GREEDY))
+        except Exception as exc:  # noqa: BLE001
+            healthy["error"] = exc
+
+    thread = threading.Thread(target=run_healthy)
+    thread.start()
+    time.sleep(0.2)
+    results, errors = raw_request(server, inputs)
+    thread.join(120)
+    assert not results and len(errors) == 1, f"{case}: expected one error, got {results} {errors}"
+    message = str(errors[0])
+    assert field in message, f"{case}: error {message!r} does not name {field!r}"
+    assert healthy.get("text") == expected, f"parallel stream disturbed by {case}: {healthy}"
+
+
+def test_error_codes_are_invalid_arg(server: TritonServer) -> None:
+    """The HTTP status carries the Triton code: INVALID_ARG is 400."""
+    body = {"text_input": "Hi", "sampling_parameters": json.dumps({"max_tokens": -1})}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400
+    assert "max_tokens" in json.loads(info.value.read())["error"]
+
+
+def test_metrics_families_after_traffic(server: TritonServer, client: LLMClient) -> None:
+    before = metrics(server)
+    completion = client.generate("Metrics are how operators see the engine.", max_tokens=10, ignore_eos=True, **GREEDY)
+    assert completion.num_output_tokens == 10
+    assert wait_for(lambda: metric(server, "llm_generation_tokens_total") >=
+                    before.get('llm_generation_tokens_total{model="llm",version="1"}', 0) + 10, 2)
+    after = metrics(server)
+    names = {key.split("{")[0] for key in after}
+    for family in ("llm_num_requests_running", "llm_num_requests_waiting", "llm_kv_blocks_used", "llm_kv_blocks_free",
+                   "llm_kv_blocks_total", "llm_kv_cache_usage_ratio", "llm_prefix_cache_queried_tokens_total",
+                   "llm_prefix_cache_hit_tokens_total", "llm_num_preemptions_total", "llm_prompt_tokens_total",
+                   "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
+                   "llm_inter_token_latency_seconds_count", "llm_e2e_request_latency_seconds_count",
+                   "nv_trt_llm_kv_cache_block_metrics"):
+        assert family in names, f"{family} missing from /metrics"
+    labels = '{model="llm",version="1"}'
+    assert after[f"llm_e2e_request_latency_seconds_count{labels}"] >= before.get(
+        f"llm_e2e_request_latency_seconds_count{labels}", 0) + 1
+    # Every generated token but the first of each request is one inter-token gap.
+    assert after[f"llm_inter_token_latency_seconds_count{labels}"] >= 9
+    assert after[f"llm_prompt_tokens_total{labels}"] >= completion.num_input_tokens
+    total = after[f"llm_kv_blocks_total{labels}"]
+    assert after['nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="llm",version="1"}'] == total
+    assert after['nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="llm",version="1"}'] == 16
+    assert wait_for(lambda: kv_used(server) == 0, 2)
+    assert after[f"llm_kv_blocks_free{labels}"] + after[f"llm_kv_blocks_used{labels}"] == total
+
+
+def test_prefix_cache_hits_show_in_metrics(server: TritonServer, client: LLMClient) -> None:
+    system = "You are a meticulous assistant who answers questions about distributed systems. " * 6
+    first = client.generate(system + "What is a lease?", max_tokens=4, **GREEDY)
+    hits_before = metric(server, "llm_prefix_cache_hit_tokens_total")
+    second = client.generate(system + "What is a quorum?", max_tokens=4, **GREEDY)
+    assert second.num_cached_tokens >= 64 and first.num_input_tokens > 64
+    assert wait_for(lambda: metric(server, "llm_prefix_cache_hit_tokens_total") >= hits_before + second.num_cached_tokens, 2)
+
+
+def test_queue_full_is_unavailable_at_once(model_dir: Path, tmp_path: Path) -> None:
+    with TritonServer(*free_ports(3), params={"max_num_seqs": "1", "max_waiting_requests": "1"},
+                      log_file=tmp_path / "server.log") as srv:
+        c = LLMClient(srv.grpc_url)
+        long_running = c.stream("A long story:", max_tokens=300, ignore_eos=True, **GREEDY)
+        chunks = iter(long_running)        # keep the iterator: dropping it cancels the request
+        first = next(chunks)               # running now
+        assert first.text is not None
+        queued = c.stream("Second in line:", max_tokens=4, **GREEDY)   # takes the one waiting slot
+        time.sleep(0.3)
+        start = time.monotonic()
+        with pytest.raises(LLMError) as info:
+            list(c.stream("Third:", max_tokens=4, **GREEDY))
+        assert time.monotonic() - start < 2.0
+        assert "queue is full" in str(info.value)
+        # Triton's HTTP generate endpoint reports any model error as 400, with our message.
+        body = {"text_input": "Fourth", "sampling_parameters": json.dumps({"max_tokens": 2})}
+        request = urllib.request.Request(f"http://{srv.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
+        with pytest.raises(urllib.error.HTTPError) as http_info:
+            urllib.request.urlopen(request, timeout=30)
+        assert "queue is full" in json.loads(http_info.value.read())["error"]
+        long_running.cancel()
+        assert "".join(ch.text for ch in queued)  # the queued request still completes
+        del chunks
