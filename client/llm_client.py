@@ -184,17 +184,23 @@ class LLMClient:
                           num_output_tokens=sum(c.num_output_tokens for c in chunks),
                           num_cached_tokens=final.num_cached_tokens)
 
-    def stream_many(self, prompts: Iterable[str | list[int]], **sampling: Any) -> Iterator[StreamChunk | tuple[str, LLMError]]:
-        """Send every prompt at once over one stream; yield chunks (or (request_id, error))
-        in arrival order until every request has ended."""
+    def stream_many(self, prompts: Iterable[str | list[int]], sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
+                    request_ids: list[str] | None = None) -> Iterator[StreamChunk | tuple[str, LLMError]]:
+        """Send every prompt at once over one stream (one connection) and yield chunks, or
+        (request_id, error), in arrival order until every request has ended. ``sampling`` is
+        one dict for all prompts or one dict per prompt."""
+        prompts = list(prompts)
+        per_request = sampling if isinstance(sampling, list) else [sampling or {}] * len(prompts)
+        ids = request_ids or [self._next_id() for _ in prompts]
+        if not len(per_request) == len(ids) == len(prompts):
+            raise ValueError("need one sampling dict and one request id per prompt")
         events: queue.Queue[tuple[str | None, Any, LLMError | None]] = queue.Queue()
         connection = _Connection(self.url, lambda rid, result, error: events.put((rid, result, error)))
         pending: set[str] = set()
         try:
-            for prompt in prompts:
-                request_id = self._next_id()
+            for request_id, prompt, params in zip(ids, prompts, per_request):
                 pending.add(request_id)
-                connection.send(self.model, request_id, build_inputs(prompt, sampling, stream=True))
+                connection.send(self.model, request_id, build_inputs(prompt, params, stream=True))
             while pending:
                 request_id, result, error = events.get()
                 if request_id is None:       # the stream broke: every pending request failed

@@ -5,7 +5,6 @@ admission control and metrics."""
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -136,9 +135,8 @@ def test_32_concurrent_streams_complete_correctly(client: LLMClient, server: Tri
     finals: dict[str, StreamChunk] = {}
     order: list[str] = []
     try:
-        # Different max_tokens per request: one stream_many call per length class would lose
-        # concurrency, so send them all over one connection with per-request parameters.
-        events = _stream_many_with_params(server, prompts, lengths)
+        events = client.stream_many(prompts, [{"max_tokens": n, "ignore_eos": True, **GREEDY} for n in lengths],
+                                    request_ids=[f"many-{i}" for i in range(32)])
         for event in events:
             assert not isinstance(event, tuple), f"request failed: {event}"
             if event.request_id not in texts:
@@ -159,36 +157,10 @@ def test_32_concurrent_streams_complete_correctly(client: LLMClient, server: Tri
     assert max_running > 1, "requests never ran concurrently"
 
 
-def _stream_many_with_params(server: TritonServer, prompts: list[str], lengths: list[int]):
-    import queue as queue_module
-
-    from client.llm_client import _Connection, parse_result
-
-    events: queue_module.Queue = queue_module.Queue()
-    connection = _Connection(server.grpc_url, lambda rid, result, error: events.put((rid, result, error)))
-    pending = set()
-    try:
-        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-            pending.add(f"many-{i}")
-            connection.send("llm", f"many-{i}", build_inputs(prompt, {"max_tokens": n, "ignore_eos": True, **GREEDY}))
-        while pending:
-            rid, result, error = events.get(timeout=300)
-            if error is not None:
-                pending.discard(rid)
-                yield (rid, error)
-                continue
-            chunk = parse_result(rid, result)
-            if chunk.final:
-                pending.discard(rid)
-            yield chunk
-    finally:
-        connection.close()
-
-
 def test_stream_many_over_one_connection(client: LLMClient) -> None:
     results: dict[str, str] = {}
     finals = 0
-    for event in client.stream_many([f"Count to {i}:" for i in range(6)], max_tokens=6, **GREEDY):
+    for event in client.stream_many([f"Count to {i}:" for i in range(6)], {"max_tokens": 6, **GREEDY}):
         assert not isinstance(event, tuple), event
         results[event.request_id] = results.get(event.request_id, "") + event.text
         finals += event.final
@@ -199,7 +171,6 @@ def test_cancel_ends_with_cancelled_and_frees_blocks(client: LLMClient, server: 
     assert wait_for(lambda: kv_used(server) == 0, 10)
     before = kv_used(server)
     events: list = []
-    result_queue: list = []
     done = threading.Event()
 
     def on_response(rid, result, error) -> None:
@@ -220,7 +191,6 @@ def test_cancel_ends_with_cancelled_and_frees_blocks(client: LLMClient, server: 
     assert len(events) < 400
     # The server records the request as cancelled, not finished normally.
     assert wait_for(lambda: metric(server, "llm_request_finished_total", finish_reason="cancelled") >= 1, 2)
-    del result_queue
 
 
 def parse_final(result) -> bool:
