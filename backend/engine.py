@@ -150,8 +150,6 @@ class Engine:
         params = request.sampling_params
         request.append_token(token_id)
         self.generation_tokens_total += 1
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
         if logprobs is not None:
             request.logprobs.append(logprobs)
         detok = self._detokenizers[request.request_id]

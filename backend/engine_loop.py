@@ -180,9 +180,12 @@ class EngineLoop:
 
     def _fail_all(self, error: BaseException) -> None:
         callbacks = dict(self._callbacks)
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-        self.engine.step()  # collects the abort outputs; nothing else is left to run
+        try:
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+            self.engine.step()  # collects the abort outputs; nothing else is left to run
+        except Exception:  # noqa: BLE001 - the callbacks below must still run
+            logger.exception("cleaning up after a failed step failed")
         self._callbacks.clear()
         self._arrival.clear()
         self._last_token_time.clear()

@@ -45,7 +45,6 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     generator: torch.Generator | None = None   # per-request RNG when a seed is given
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -67,11 +66,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def priority_key(self) -> tuple[int, int]:
-        """Lower sorts first: served earlier, preempted later."""
-        return (self.sampling_params.priority, self.arrival_seq)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
