@@ -16,7 +16,7 @@ $(SETUP_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[convert,test]"
+	$(PIP) install -q -e ".[convert,test,kernels]"
 	touch $@
 
 model: $(MODEL_DIR)/model.safetensors

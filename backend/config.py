@@ -22,7 +22,8 @@ class EngineConfig:
     block_size: int = 16                       # tokens per KV block
     num_kv_blocks: int | None = None           # None: sized from kv_cache_memory_bytes / GPU memory
     kv_cache_memory_bytes: int | None = None   # KV budget when num_kv_blocks is None
-    gpu_memory_utilization: float = 0.9        # CUDA: fraction of GPU memory for weights + KV
+    gpu_memory_utilization: float = 0.9        # CUDA: fraction of the memory free after loading the weights
+                                               # that activations + KV may take (KV gets the rest)
     max_num_seqs: int = 64                     # running requests per step
     max_num_batched_tokens: int = 512          # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None           # None: the model's max_position_embeddings
@@ -32,6 +33,8 @@ class EngineConfig:
     batching: Literal["continuous", "static"] = "continuous"
     max_waiting_requests: int = 1024           # admission control: refuse beyond this queue depth
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json
+    attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: triton on CUDA, reference on CPU
+    enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     seed: int = 0                              # engine-wide RNG for requests without a seed
 
     def __post_init__(self) -> None:
@@ -84,6 +87,8 @@ class EngineConfig:
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")
         check(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         check(self.load_format in ("auto", "dummy"), "load_format must be auto or dummy")
+        check(self.attention_backend in ("auto", "triton", "reference"),
+              "attention_backend must be auto, triton or reference")
 
 
 def _coerce(name: str, raw: Any, annotation: str) -> Any:

@@ -129,13 +129,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] cache slot each new K/V is written to
     query_start_loc: torch.Tensor   # [num_seqs + 1] cu_seqlens of the queries
     seq_lens: torch.Tensor          # [num_seqs] context + new tokens
-    block_tables: torch.Tensor      # [num_seqs, max_blocks] block ids, padded with 0
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] block ids; entries past a sequence's blocks are unread
     logits_indices: torch.Tensor    # rows whose next-token logits are needed
+    max_query_len: int              # host-side bounds: kernels pick launch shapes without a device sync
+    max_seq_len: int
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference") -> None:
         super().__init__()
+        self.attention_backend = attention_backend   # resolved by the model runner (kernels.resolve_backend)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -154,9 +157,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=self.attention_backend)
         o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, self.scale)
+                                    meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
+                                    backend=self.attention_backend)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -173,10 +177,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, attention_backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
@@ -185,12 +189,12 @@ class CausalLM(nn.Module):
     """Parameter names mirror transformers' (``model.layers.N...``), except the fused
     ``qkv_proj`` / ``gate_up_proj``, so checkpoints map with a small rename table."""
 
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference") -> None:
         super().__init__()
         self.arch = arch
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend) for _ in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
@@ -233,21 +237,28 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> CausalLM:
+               load_format: str = "auto", seed: int = 0, attention_backend: str = "reference") -> CausalLM:
     folder = Path(folder)
     with torch.device("meta"):
-        model = CausalLM(arch)
-    model = model.to_empty(device=device)
-    model.inv_freq = rope_inverse_frequencies(arch).to(device)
+        model = CausalLM(arch, attention_backend)
+    # Parameters are created in the target dtype on the target device: an 8B model never
+    # exists in float32 on the GPU.
+    model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy":
-        generator = torch.Generator().manual_seed(seed)
-        for name, param in model.named_parameters():
-            values = (torch.ones(param.shape) if name.endswith("norm.weight") else
-                      torch.randn(param.shape, generator=generator) * arch.initializer_range)
-            param.data.copy_(values)
+        # Drawn on the device (fast for large models); the same seed gives the same weights.
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    values = torch.randn(param.shape, generator=generator, device=device)
+                    param.copy_(values.mul_(arch.initializer_range))
     else:
         _load_checkpoint(model, _checkpoint_tensors(folder))
-    return model.to(dtype).eval()
+    # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
+    model.inv_freq = rope_inverse_frequencies(arch).to(device)
+    return model.eval()
 
 
 def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,16 +1,29 @@
 """Turns a scheduled step into one packed forward pass and returns next-token logits.
 
-Owns the model weights and the per-layer KV tensors ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; the block ids come from the KV-cache manager.
+Owns the model weights, the per-layer KV tensors ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` (block ids come from the KV-cache manager), the step's input buffers and, on
+CUDA, the captured decode graphs.
+
+Per-step host work is kept small: the step's ids, positions, slots and block tables are
+written with numpy into preallocated (pinned, on CUDA) host buffers and copied to
+preallocated device buffers once per step; nothing loops over tokens or layers in Python.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+import kernels
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from backend.cuda_graphs import DecodeGraphs, capture_sizes
 from backend.model import AttentionMetadata, ModelArchitecture, load_model
 from backend.request import Request
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -27,6 +40,48 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def resolve_max_model_len(config: EngineConfig, arch: ModelArchitecture) -> int:
+    return min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepBuffers:
+    """Preallocated inputs of one step: rows ``[:num_tokens]`` / ``[:num_seqs]`` are live.
+    ``host`` holds numpy views the runner writes; ``device`` the tensors the model reads
+    (the same memory on CPU). CUDA graphs read the device tensors in place."""
+    input_ids: torch.Tensor       # [max_tokens] int64
+    positions: torch.Tensor       # [max_tokens] int64
+    slot_mapping: torch.Tensor    # [max_tokens] int64
+    query_start_loc: torch.Tensor  # [max_seqs + 1] int32
+    seq_lens: torch.Tensor        # [max_seqs] int32
+    block_tables: torch.Tensor    # [max_seqs, max_blocks_per_seq] int32
+    logits_indices: torch.Tensor  # [max_seqs] int64
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 pin_memory: bool = False) -> "StepBuffers":
+        def new(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory and device.type == "cpu")
+        return cls(new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int64),
+                   new(max_tokens, dtype=torch.int64), new(max_seqs + 1, dtype=torch.int32),
+                   new(max_seqs, dtype=torch.int32), new(max_seqs, max_blocks_per_seq, dtype=torch.int32),
+                   new(max_seqs, dtype=torch.int64))
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
+
+    def copy_rows_from(self, other: "StepBuffers", num_tokens: int, num_seqs: int, num_logits: int) -> None:
+        """Asynchronous host->device copy of the live rows (the host side is pinned)."""
+        for name, rows in (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
+                           ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs), ("block_tables", num_seqs),
+                           ("logits_indices", num_logits)):
+            getattr(self, name)[:rows].copy_(getattr(other, name)[:rows], non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchitecture) -> None:
         self.config = config
@@ -34,13 +89,33 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed)
+        self.max_model_len = resolve_max_model_len(config, arch)
+        self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
+                                self.attention_backend)
+
+        # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
+        self.max_tokens = config.max_num_batched_tokens
+        self.max_seqs = config.max_num_seqs
+        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+        on_cuda = self.device.type == "cuda"
+        self.host = StepBuffers.allocate(self.max_tokens, self.max_seqs, self.max_blocks_per_seq,
+                                         torch.device("cpu"), pin_memory=on_cuda)
+        self.buffers = (StepBuffers.allocate(self.max_tokens, self.max_seqs, self.max_blocks_per_seq, self.device)
+                        if on_cuda else self.host)
+        self._host_np = self.host.numpy()
+
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(arch.num_layers)]
 
+        self.decode_graphs: DecodeGraphs | None = None
+        if on_cuda and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self, capture_sizes(self.max_seqs), capture=True)
+
+    # ---- memory ------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -50,9 +125,7 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used_by_others = total - free
-                budget = int(total * self.config.gpu_memory_utilization) - used_by_others
+                budget = self._cuda_kv_budget()
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self.bytes_per_block
@@ -60,44 +133,94 @@ class ModelRunner:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
         return int(num_blocks)
 
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization x the memory free once the weights are loaded, less the
+        activation peak of a full-budget step (measured by running one)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        activation_peak = self._profile_activation_peak()
+        budget = int(free * self.config.gpu_memory_utilization) - activation_peak
+        logger.info("KV budget: %.2f GiB (free after weights %.2f GiB x %.2f, activation peak %.2f GiB)",
+                    budget / 2**30, free / 2**30, self.config.gpu_memory_utilization, activation_peak / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Peak memory of the largest step: one sequence of max_num_batched_tokens tokens
+        with a throwaway cache just big enough, and max_num_seqs logits rows."""
+        num_tokens = min(self.max_tokens, self.max_model_len)
+        num_blocks = cdiv(num_tokens, self.block_size)
+        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
+        torch.cuda.synchronize(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        device = self.device
+        num_logits = min(self.max_seqs, num_tokens)
+        meta = AttentionMetadata(
+            positions=torch.arange(num_tokens, device=device),
+            slot_mapping=torch.arange(num_tokens, device=device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
+            logits_indices=torch.arange(num_tokens - num_logits, num_tokens, device=device),
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+        self.model(torch.zeros(num_tokens, dtype=torch.int64, device=device), meta, caches)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del caches
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- one step ----------------------------------------------------------------------------
     def prepare(self, requests: list[Request], num_scheduled: dict[str, int],
                 block_ids: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Pack the step. Returns input ids, metadata and the requests that sample this step
         (those whose counter reaches the end of their token list), in logits-row order."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
+        host = self._host_np
+        num_seqs = len(requests)
         sampling: list[Request] = []
-        max_blocks = max(len(block_ids[r.request_id]) for r in requests)
-        block_tables = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
+        token = 0
+        max_query_len = max_seq_len = 0
+        host["query_start_loc"][0] = 0
         for row, request in enumerate(requests):
             start = request.num_computed_tokens
-            end = start + num_scheduled[request.request_id]
+            num_new = num_scheduled[request.request_id]
+            end = start + num_new
             blocks = block_ids[request.request_id]
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(end)
-            block_tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            positions = np.arange(start, end)
+            host["input_ids"][token:token + num_new] = request.token_ids[start:end]
+            host["positions"][token:token + num_new] = positions
+            table = np.asarray(blocks, dtype=np.int64)
+            host["slot_mapping"][token:token + num_new] = table[positions // bs] * bs + positions % bs
+            host["block_tables"][row, :len(blocks)] = table
+            token += num_new
+            host["query_start_loc"][row + 1] = token
+            host["seq_lens"][row] = end
+            max_query_len, max_seq_len = max(max_query_len, num_new), max(max_seq_len, end)
             if end == request.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+                host["logits_indices"][len(sampling)] = token - 1
                 sampling.append(request)
-        device = self.device
+        num_logits = len(sampling)
+        if self.buffers is not self.host:
+            self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits)
+        buf = self.buffers
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
-        return torch.tensor(input_ids, dtype=torch.int64, device=device), meta, sampling
+            positions=buf.positions[:token], slot_mapping=buf.slot_mapping[:token],
+            query_start_loc=buf.query_start_loc[:num_seqs + 1], seq_lens=buf.seq_lens[:num_seqs],
+            block_tables=buf.block_tables[:num_seqs], logits_indices=buf.logits_indices[:num_logits],
+            max_query_len=max_query_len, max_seq_len=max_seq_len)
+        return buf.input_ids[:token], meta, sampling
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Float32 logits, one row per sampling request. Decode-only steps (one token per
+        sequence, every sequence samples) replay a captured CUDA graph when there is one."""
+        num_seqs = meta.seq_lens.shape[0]
+        decode_only = meta.max_query_len == 1 and meta.logits_indices.shape[0] == input_ids.shape[0] == num_seqs
+        if decode_only and self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
+            return self.decode_graphs.run(num_seqs)
         return self.model(input_ids, meta, self.kv_caches)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.request import Request
+from backend.sampling_params import SamplingParams
 
 
 @dataclass
@@ -24,20 +25,39 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int) -> None:
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)   # for requests without a seed
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator_on(self, device: torch.device) -> torch.Generator:
+        """The engine-wide generator, on the logits' device (noise is drawn where it is used)."""
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._device_generators[device]
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """One device-to-host copy of the step's token ids, except for rows with their own
+        seed (each draws from its request's CPU generator, so that its tokens do not depend
+        on the batch)."""
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.sampling_params.logprobs is not None for r in requests) else None)
-        token_ids = logits.argmax(dim=-1).tolist()   # greedy rows without processing keep this
+        processed = [row for row, r in enumerate(requests) if _needs_processing(r)]
+        if processed:
+            logits = logits.clone()               # penalties must not touch the caller's logits
+            for row in processed:
+                logits[row] = _process(logits[row], requests[row])
+        chosen = logits.argmax(dim=-1)            # greedy rows keep this
+        batched = [row for row, r in enumerate(requests)
+                   if not r.sampling_params.is_greedy and r.generator is None]
+        if batched:
+            index = torch.tensor(batched, device=logits.device)
+            chosen[index] = self._sample_batch(logits[index], [requests[row].sampling_params for row in batched])
+        token_ids = chosen.tolist()
         for row, request in enumerate(requests):
-            params = request.sampling_params
-            if not params.is_greedy or _needs_processing(request):
-                row_logits = _process(logits[row].clone(), request)
-                if params.is_greedy:
-                    token_ids[row] = int(row_logits.argmax())
-                else:
-                    token_ids[row] = self._sample_row(row_logits, request)
+            if not request.sampling_params.is_greedy and request.generator is not None:
+                token_ids[row] = self._sample_row(logits[row], request)
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for row, request in enumerate(requests):
@@ -51,23 +71,43 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
+    def _sample_batch(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Rows without a seed, all at once, with the engine-wide generator's noise."""
+        probs = _filtered_probs(logits, params)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator_on(probs.device))
+        return (probs / noise).argmax(dim=-1)
+
     def _sample_row(self, logits: torch.Tensor, request: Request) -> int:
-        params = request.sampling_params
-        logits = logits / params.temperature
-        if params.top_k > 0 and params.top_k < logits.numel():
-            kth = logits.topk(params.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Drop a token when the tokens ranked above it already reach top_p (keeps >= 1).
-            drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        if params.min_p > 0.0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        generator = request.generator or self.generator
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator)
-        return int((probs.cpu() / noise).argmax())
+        """A seeded row: the noise comes from the request's own (CPU) generator."""
+        probs = _filtered_probs(logits.unsqueeze(0), [request.sampling_params])[0].cpu()
+        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=request.generator)
+        return int((probs / noise).argmax())
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, row by row ``params``: the distribution a
+    random row is drawn from. ``logits``: [rows, vocab] float32."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:
+        kth_rank = torch.tensor(top_k, device=device).unsqueeze(1) - 1
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, kth_rank)
+        logits = logits.masked_fill(logits < kth, float("-inf"))      # ties with the k-th stay
+    probs = torch.softmax(logits, dim=-1)
+    top_p = [p.top_p for p in params]
+    if min(top_p) < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        limit = torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        # Drop a token when the tokens ranked above it already reach top_p (keeps >= 1).
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= limit
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
+        scale = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < scale * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def _needs_processing(request: Request) -> bool:

@@ -18,7 +18,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def make_tiny_model(kind: str, folder: Path, tokenizer_dir: Path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """kind: qwen2, qwen3, or llama (8 query heads of 64 sharing one KV head, 2 layers: few
+    kernel programs, so that Triton's interpreter stays fast)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -26,11 +29,14 @@ def make_tiny_model(kind: str, folder: Path, tokenizer_dir: Path):
                   # Wide logits: random models at the usual 0.02 are near-uniform, so greedy
                   # argmax would hinge on float rounding rather than on the computation.
                   initializer_range=0.25)
-    if kind == "qwen2":
+    if kind == "llama":
+        common.update(hidden_size=512, intermediate_size=768, num_hidden_layers=2, num_key_value_heads=1)
+        config, cls = LlamaConfig(tie_word_embeddings=True, rope_theta=10000.0, **common), LlamaForCausalLM
+    elif kind == "qwen2":
         config, cls = Qwen2Config(tie_word_embeddings=False, rope_theta=10000.0, **common), Qwen2ForCausalLM
     else:
         config, cls = Qwen3Config(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0, **common), Qwen3ForCausalLM
-    torch.manual_seed(0 if kind == "qwen2" else 1)
+    torch.manual_seed({"qwen2": 0, "qwen3": 1, "llama": 2}[kind])
     model = cls(config).float().eval()
     with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
         for name, param in model.named_parameters():

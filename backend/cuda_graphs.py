@@ -1,0 +1,105 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step launches hundreds of small kernels (a few per layer) whose launch cost, not
+the GPU, bounds small batches. Capturing the whole forward once per batch size and
+replaying it removes that cost. A step with ``n`` sequences replays the smallest captured
+size ``>= n``; the padding rows decode a dummy token that writes no KV (slot -1) and whose
+logits are dropped. Mixed and prefill steps run eagerly.
+
+The graphs read the model runner's preallocated step buffers in place, so a step only has
+to fill those (``ModelRunner.prepare`` already did) and pad the tail.
+
+``capture=False`` runs the same padded forward eagerly: it lets CPU tests check the
+padding logic, which is everything here except the capture itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from backend.model import AttentionMetadata
+
+if TYPE_CHECKING:
+    from backend.model_runner import ModelRunner
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (always included): padding
+    wastes at most 15 rows and few graphs are captured."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(self, runner: "ModelRunner", batch_sizes: list[int], capture: bool = True) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.capture = capture
+        device = runner.device
+        largest = self.batch_sizes[-1]
+        if largest > min(runner.max_seqs, runner.max_tokens):
+            raise ValueError(f"graph batch {largest} exceeds the step buffers")
+        # Decode layout is fixed: sequence i owns query row i and logits row i.
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(largest, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def covers(self, num_seqs: int) -> bool:
+        return num_seqs <= self.batch_sizes[-1]
+
+    def _meta(self, batch_size: int) -> AttentionMetadata:
+        buf = self.runner.buffers
+        # max_seq_len is the model's limit, not the step's, so the launch shape baked into
+        # the graph fits every later step; the kernels read true lengths from seq_lens.
+        return AttentionMetadata(
+            positions=buf.positions[:batch_size], slot_mapping=buf.slot_mapping[:batch_size],
+            query_start_loc=self.query_start_loc[:batch_size + 1], seq_lens=buf.seq_lens[:batch_size],
+            block_tables=buf.block_tables[:batch_size], logits_indices=self.logits_indices[:batch_size],
+            max_query_len=1, max_seq_len=self.runner.max_model_len)
+
+    def _pad(self, num_seqs: int, batch_size: int) -> None:
+        """Rows num_seqs..batch_size become harmless decodes: token 0 at position 0, no KV
+        write, attending to one key of block 0."""
+        if num_seqs == batch_size:
+            return
+        buf = self.runner.buffers
+        rows = slice(num_seqs, batch_size)
+        buf.input_ids[rows] = 0
+        buf.positions[rows] = 0
+        buf.slot_mapping[rows] = -1
+        buf.seq_lens[rows] = 1
+        buf.block_tables[rows, 0] = 0
+
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        runner = self.runner
+        return runner.model(runner.buffers.input_ids[:batch_size], self._meta(batch_size), runner.kv_caches)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
+        for batch_size in reversed(self.batch_sizes):
+            self._pad(0, batch_size)
+            self._forward(batch_size)               # warm-up: compiles the Triton kernels outside capture
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch_size] = self._forward(batch_size)
+            pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize(self.runner.device)
+
+    def run(self, num_seqs: int) -> torch.Tensor:
+        """Logits of the decode step already written into the runner's buffers."""
+        batch_size = next(s for s in self.batch_sizes if s >= num_seqs)
+        self._pad(num_seqs, batch_size)
+        if not self.capture:
+            return self._forward(batch_size)[:num_seqs]
+        self.graphs[batch_size].replay()
+        return self.outputs[batch_size][:num_seqs]

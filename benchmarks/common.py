@@ -1,0 +1,66 @@
+"""Shared helpers of the GPU benchmarks: timing, the device's copy bandwidth, result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds per call. CUDA events on a GPU; wall clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 1 << 30) -> float:
+    """Measured device-memory bandwidth: a large device-to-device copy moves each byte twice
+    (read + write). This, not the datasheet figure, is the roofline's ceiling."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=3, iters=20)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    def fmt(value: Any) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""The engine's greedy-equality checks again, with the Triton attention path forced on.
+
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so the
+model is a tiny random Llama (2 layers, 8 query heads of 64 sharing one KV head) built here
+from a config; transformers on the same weights is the oracle. Also checks the padded
+decode batches that CUDA graphs replay (run eagerly here: ``DecodeGraphs(capture=False)``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.cuda_graphs import DecodeGraphs, capture_sizes
+from tests.conftest import hf_greedy
+from tests.test_hf_equality import CONFIGS, MAX_NEW_TOKENS, PROMPT_LENGTHS, assert_same_tokens, run_engine
+from tests.test_tiny_architectures import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, model_dir: Path):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf_model = make_tiny_model("llama", folder, model_dir)
+    return folder, hf_model
+
+
+@pytest.fixture(scope="module")
+def prompts(prose_ids: list[int]) -> list[list[int]]:
+    return [prose_ids[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def shared_prompts(prose_ids: list[int]) -> list[list[int]]:
+    prefix = prose_ids[:200]
+    return [prefix + prose_ids[500 + 13 * i: 500 + 13 * i + 5 + 9 * i] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, prompts) -> list[list[int]]:
+    return hf_greedy(tiny_llama[1], prompts, MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def shared_reference(tiny_llama, shared_prompts) -> list[list[int]]:
+    return hf_greedy(tiny_llama[1], shared_prompts, MAX_NEW_TOKENS)
+
+
+def triton_config(folder: Path, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(folder), attention_backend="triton", **overrides)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_triton_greedy_matches_transformers(name: str, tiny_llama, prompts, reference) -> None:
+    engine, ours = run_engine(triton_config(tiny_llama[0], **CONFIGS[name]), prompts)
+    assert engine.runner.attention_backend == "triton"
+    assert_same_tokens(ours, reference)
+
+
+def test_triton_preemption_keeps_tokens_exact(tiny_llama, prompts, reference) -> None:
+    engine, ours = run_engine(triton_config(tiny_llama[0], block_size=16, num_kv_blocks=40,
+                                            max_num_batched_tokens=64), prompts)
+    assert engine.stats().num_preemptions > 0
+    assert_same_tokens(ours, reference)
+
+
+def test_triton_prefix_hits(tiny_llama, shared_prompts, shared_reference) -> None:
+    # Block size 32 and a 40-token budget: prefix hits, then chunks over the cached prefix.
+    engine, ours = run_engine(triton_config(tiny_llama[0], block_size=32, num_kv_blocks=256,
+                                            max_num_batched_tokens=40, max_num_seqs=6), shared_prompts)
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    assert_same_tokens(ours, shared_reference)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, reference) -> None:
+    """Decode steps padded to the CUDA-graph batch sizes (dummy rows with slot -1) change
+    nothing: same tokens, and the padding writes no KV (invariants and no leaks hold)."""
+    engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
+                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128))
+    runner = engine.runner
+    assert runner.decode_graphs is None                      # CPU: no graphs unless asked
+    runner.decode_graphs = DecodeGraphs(runner, capture_sizes(16), capture=False)
+    padded_steps = 0
+    original_run = runner.decode_graphs.run
+
+    def counting_run(num_seqs: int):
+        nonlocal padded_steps
+        padded_steps += num_seqs not in runner.decode_graphs.batch_sizes
+        return original_run(num_seqs)
+
+    runner.decode_graphs.run = counting_run
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    assert padded_steps > 0, "no decode step was padded"
+    assert_same_tokens([o.token_ids for o in outputs], reference)
+    engine.check_invariants()
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch, tiny_llama) -> None:
+    import kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        kernels.resolve_backend("triton", __import__("torch").device("cpu"))
+    assert kernels.resolve_backend("auto", __import__("torch").device("cpu")) == "reference"
