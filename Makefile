@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup model serve test clean-model
+.PHONY: setup model serve test loadtest loadtest-compare clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -16,7 +16,7 @@ $(SETUP_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[convert,test,kernels]"
+	$(PIP) install -q -e ".[convert,test,loadtest,kernels]"
 	touch $@
 
 model: $(MODEL_DIR)/model.safetensors
@@ -33,6 +33,23 @@ serve: setup model
 
 test: setup model
 	$(PY) -m pytest -q tests
+
+# Locust load test (docs/loadtest.md): a headless seeded mix against the server at SERVER
+# (gRPC host:port, default 127.0.0.1:8001), or one started for the run when none is up. Prints
+# the summary table; exits non-zero on failed requests or SLO misses. Optional:
+# PROFILE=cpu|smoke|full USERS=8 DURATION=3m RATE=2 (open loop, req/s) TAGS=chat,rag
+# SERVER=127.0.0.1:8001 METRICS_URL=http://127.0.0.1:8002/metrics SEED=0 LOADTEST_ARGS=...
+# Defaults live in loadtest/profiles.py.
+LOADTEST_OPTS = $(if $(PROFILE),--profile $(PROFILE)) $(if $(USERS),--users $(USERS)) \
+	$(if $(DURATION),--duration $(DURATION)) $(if $(RATE),--rate $(RATE)) $(if $(TAGS),--tags $(TAGS)) \
+	$(if $(SEED),--seed $(SEED)) $(LOADTEST_ARGS)
+
+loadtest: setup model
+	$(PY) -m loadtest run $(LOADTEST_OPTS) $(if $(SERVER),--host $(SERVER)) $(if $(METRICS_URL),--metrics-url $(METRICS_URL))
+
+# The same seeded mix against batching=continuous and batching=static (servers started for it).
+loadtest-compare: setup model
+	$(PY) -m loadtest compare $(LOADTEST_OPTS)
 
 clean-model:
 	rm -rf $(MODEL_DIR)

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -27,6 +28,17 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "llm"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together, so they differ)."""
+    sockets = [socket.socket() for _ in range(n)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
 
 
 def _pytriton_dirs() -> tuple[Path, Path]:
@@ -158,6 +170,13 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        if self.process is not None:
+            # A tritonserver that died on its own leaves its Python stubs (same process group)
+            # running: end whatever is left of the group.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None

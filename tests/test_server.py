@@ -5,7 +5,6 @@ admission control and metrics."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -19,19 +18,10 @@ import tritonclient.grpc as grpcclient
 from backend import Engine, EngineConfig, SamplingParams
 from client import LLMClient, LLMError, StreamChunk, http_generate_stream
 from client.llm_client import build_inputs
-from server.launch import TritonServer
+from loadtest.server_metrics import scrape
+from server.launch import TritonServer, free_ports
 
 pytestmark = pytest.mark.server
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="session")
@@ -54,14 +44,8 @@ def client(server: TritonServer) -> LLMClient:
 
 
 def metrics(server: TritonServer) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} for our families."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(("llm_", "nv_trt_llm_")):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
-    return values
+    """{'name{labels}': value} for our families."""
+    return scrape(server.metrics_url)
 
 
 def metric(server: TritonServer, name: str, **labels: str) -> float:

@@ -16,7 +16,7 @@ import os
 import queue
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,16 @@ class _Stream:
     prompt_text: str
     num_prompt_tokens: int
     cancelled: bool = False
+    # Triton deletes a sender's response factory once the FINAL flag is sent; calling
+    # is_cancelled() on it after that (or while it happens) crashes tritonserver (SIGSEGV in
+    # TRITONBACKEND_ResponseFactoryIsCancelled). `done` is set under `lock` before the final
+    # send, and the poller only asks is_cancelled() under the same lock while not done.
+    done: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def mark_done(self) -> None:
+        with self.lock:
+            self.done = True
 
 
 class TritonPythonModel:
@@ -98,6 +108,7 @@ class TritonPythonModel:
         except BaseException:
             with self._lock:
                 del self._streams[request_id]
+            stream.mark_done()   # execute() sends the final error next
             raise
         stream.num_prompt_tokens = len(validated.prompt_token_ids)
 
@@ -116,6 +127,7 @@ class TritonPythonModel:
         if final:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
+            stream.mark_done()
         if isinstance(result, BaseException):
             code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, QueueFullError) else
                     pb_utils.TritonError.INVALID_ARG if isinstance(result, InvalidRequestError) else
@@ -167,7 +179,9 @@ class TritonPythonModel:
                 streams = list(self._streams.values())
             for stream in streams:
                 try:
-                    if not stream.cancelled and stream.sender.is_cancelled():
+                    with stream.lock:
+                        newly_cancelled = not stream.done and not stream.cancelled and stream.sender.is_cancelled()
+                    if newly_cancelled:
                         stream.cancelled = True
                         self.loop.abort(stream.request_id)
                 except Exception:  # noqa: BLE001

@@ -1,0 +1,119 @@
+"""One streaming gRPC connection per load-test user (tritonclient), one request at a time.
+
+Written against blocking ``threading``/``queue`` so that it is testable without Locust; in the
+Locust process those are gevent-patched and ``grpc.experimental.gevent.init_gevent()`` (see
+locustfile.py) makes gRPC cooperate, so thousands of users cost greenlets, not threads.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from client.llm_client import build_inputs, parse_result
+from loadtest.records import CANCELLED, FAILED, INTERRUPTED, OK, RequestRecord
+from loadtest.workload import RequestSpec
+
+
+class TritonRequestError(Exception):
+    """A request's error with its text. tritonclient's exception does not pass its message to
+    ``Exception.__init__``, so its repr (which Locust's report shows) would be empty."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message or "unknown error (empty message)")
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, InferenceServerException):
+        parts = [f"[{error.status()}]" if error.status() else "", error.message() or "",
+                 error.debug_details() or ""]
+        return " ".join(p for p in parts if p) or type(error).__name__
+    return str(error) or type(error).__name__
+
+
+class UserStream:
+    """A tritonclient client with (at most) one open bidirectional stream. A cancelled or
+    broken stream is closed and the next request opens a fresh one: gRPC cancels a whole
+    stream, never a single request on it."""
+
+    def __init__(self, url: str, model: str = "llm", request_timeout: float = 600.0) -> None:
+        self.url, self.model, self.request_timeout = url, model, request_timeout
+        self._client = grpcclient.InferenceServerClient(url)
+        self._events: queue.Queue[tuple[float, Any, BaseException | None]] | None = None
+
+    def _open(self) -> queue.Queue:
+        events: queue.Queue = queue.Queue()
+
+        def on_response(result: Any, error: BaseException | None) -> None:
+            # Runs on tritonclient's reader thread: the timestamp is taken on arrival, not when
+            # the user's greenlet gets round to it.
+            events.put((time.time(), result, error))
+
+        self._client.start_stream(callback=on_response)
+        self._events = events
+        return events
+
+    def _close_stream(self, cancel: bool) -> None:
+        if self._events is not None:
+            self._events = None
+            try:
+                self._client.stop_stream(cancel_requests=cancel)
+            except Exception:  # noqa: BLE001 - a broken stream may fail to close; it is gone either way
+                pass
+
+    def close(self) -> None:
+        self._close_stream(cancel=True)
+        self._client.close()
+
+    def run(self, spec: RequestSpec, record: RequestRecord) -> None:
+        """Send ``spec`` and fill ``record`` in place as responses arrive (so that a caller
+        interrupted mid-request still holds what was measured)."""
+        events = self._events or self._open()
+        deadline = time.monotonic() + self.request_timeout
+        record.sent_at = time.time()
+        try:
+            # enable_empty_final_response: Triton marks the end of every stream, even when the
+            # model's last response carried data or the model only sent the FINAL flag.
+            self._client.async_stream_infer(self.model, build_inputs(spec.prompt, spec.sampling()),
+                                            request_id=spec.request_id, enable_empty_final_response=True)
+            while True:
+                arrived, result, error = events.get(timeout=max(0.0, deadline - time.monotonic()))
+                if error is not None:
+                    self._finish(record, FAILED, arrived, error=describe(error))
+                    self._close_stream(cancel=True)
+                    return
+                chunk = parse_result(spec.request_id, result)
+                if chunk.text or chunk.num_output_tokens:
+                    record.responses.append([arrived, chunk.num_output_tokens])
+                if chunk.num_input_tokens is not None:
+                    record.prompt_tokens = chunk.num_input_tokens
+                if chunk.num_cached_tokens is not None:
+                    record.cached_tokens = chunk.num_cached_tokens
+                if chunk.final:
+                    record.final_response = True
+                    record.finish_reason = chunk.finish_reason or record.finish_reason
+                    self._finish(record, OK, arrived)
+                    return
+                if spec.cancel_after is not None and record.output_tokens >= spec.cancel_after:
+                    self._close_stream(cancel=True)
+                    self._finish(record, CANCELLED, time.time())
+                    return
+        except queue.Empty:
+            self._close_stream(cancel=True)
+            self._finish(record, FAILED, time.time(), error=f"no final response within {self.request_timeout:.0f}s")
+        except InferenceServerException as exc:   # e.g. the stream could not send
+            self._close_stream(cancel=True)
+            self._finish(record, FAILED, time.time(), error=describe(exc))
+        except BaseException:
+            # Locust stopping a user after the drain timeout (GreenletExit) or Ctrl-C.
+            self._close_stream(cancel=True)
+            self._finish(record, INTERRUPTED, time.time())
+            raise
+
+    @staticmethod
+    def _finish(record: RequestRecord, outcome: str, at: float, error: str | None = None) -> None:
+        record.outcome, record.end_at, record.error = outcome, at, error
