@@ -74,12 +74,16 @@ class StepBuffers:
     def numpy(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
 
-    def copy_rows_from(self, other: "StepBuffers", num_tokens: int, num_seqs: int, num_logits: int) -> None:
+    def copy_rows_from(self, other: "StepBuffers", num_tokens: int, num_seqs: int, num_logits: int,
+                       num_block_columns: int) -> None:
         """Asynchronous host->device copy of the live rows (the host side is pinned)."""
         for name, rows in (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
-                           ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs), ("block_tables", num_seqs),
+                           ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs),
                            ("logits_indices", num_logits)):
             getattr(self, name)[:rows].copy_(getattr(other, name)[:rows], non_blocking=True)
+        # Only the columns this step's sequences use; later columns are never read.
+        self.block_tables[:num_seqs, :num_block_columns].copy_(
+            other.block_tables[:num_seqs, :num_block_columns], non_blocking=True)
 
 
 class ModelRunner:
@@ -104,6 +108,10 @@ class ModelRunner:
         self.buffers = (StepBuffers.allocate(self.max_tokens, self.max_seqs, self.max_blocks_per_seq, self.device)
                         if on_cuda else self.host)
         self._host_np = self.host.numpy()
+        # Set when the last host->device copy of the step buffers has been queued: the host
+        # side must not be rewritten before it completes (a step without sampling never
+        # waits for the GPU, so the next prepare() could otherwise race the copy).
+        self._inputs_copied: torch.cuda.Event | None = None
 
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
@@ -112,7 +120,9 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
 
         self.decode_graphs: DecodeGraphs | None = None
-        if on_cuda and not config.enforce_eager:
+        # The reference attention syncs with the host (it loops over sequences), which a
+        # CUDA graph cannot capture: graphs go with the Triton kernels only.
+        if on_cuda and not config.enforce_eager and self.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self, capture_sizes(self.max_seqs), capture=True)
 
     # ---- memory ------------------------------------------------------------------------------
@@ -181,6 +191,8 @@ class ModelRunner:
         (those whose counter reaches the end of their token list), in logits-row order."""
         bs = self.block_size
         host = self._host_np
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         num_seqs = len(requests)
         sampling: list[Request] = []
         token = 0
@@ -206,7 +218,10 @@ class ModelRunner:
                 sampling.append(request)
         num_logits = len(sampling)
         if self.buffers is not self.host:
-            self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits)
+            self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs))
+            if self._inputs_copied is None:
+                self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         buf = self.buffers
         meta = AttentionMetadata(
             positions=buf.positions[:token], slot_mapping=buf.slot_mapping[:token],

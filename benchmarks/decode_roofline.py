@@ -17,6 +17,7 @@ Each request holds ``--context`` tokens, so every step attends over that many ke
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 from pathlib import Path
@@ -105,7 +106,10 @@ def run_shape(name: str, batches: list[int], context: int, eager: bool, device: 
                              weight_gb=weight_bytes / 1e9))
             print(f"{name} {rows[-1]['mode']} batch {batch}: {ms:.3f} ms (floor {floor_ms:.3f} ms, "
                   f"{ms / floor_ms:.2f}x)", flush=True)
+        # The runner and its CUDA graphs refer to each other: collect the cycle now, or the
+        # next shape is allocated while this one still holds its weights and KV cache.
         del runner
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return rows

@@ -293,7 +293,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if plan.decode_only and num_tokens != num_seqs:
         raise ValueError("a decode-only plan needs exactly one query per sequence")
     group = num_heads // num_kv_heads
-    head_dim_padded = triton.next_power_of_2(head_dim)
+    # tl.dot needs K >= 16 for 16-bit inputs; padded dims are masked to zero.
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     num_tiles = num_seqs if plan.decode_only else num_tokens // plan.block_q + num_seqs
     grid = (num_tiles, num_kv_heads, plan.num_splits)
     if plan.num_splits > 1:
