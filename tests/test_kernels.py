@@ -126,6 +126,25 @@ def test_paged_attention_matches_reference(dtype: torch.dtype, scenario: str, sh
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(8, 2, 64, 16), (16, 4, 128, 32)], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_many_sequences_in_one_launch(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    """A continuous-batching step at scale: 40 sequences in one launch (decodes, fresh
+    prefills and chunks over cached context, shuffled), so the tile search crosses many
+    sequence boundaries."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    specs = [(rng.randrange(1, 200), 1) for _ in range(30)]
+    specs += [(0, rng.randrange(2, 70)) for _ in range(5)]
+    specs += [(rng.randrange(1, 150), rng.randrange(2, 40)) for _ in range(5)]
+    rng.shuffle(specs)
+    batch = make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    actual, expected = run_both(batch)
+    assert not actual.isnan().any(), f"seed {seed}"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype], msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_splits: int) -> None:
     """Few sequences with long contexts: the key range is cut into splits and merged. With 7
