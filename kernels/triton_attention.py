@@ -26,7 +26,8 @@ does not need exit at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -59,23 +60,44 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
+@dataclass
+class KernelLaunch:
+    """One kernel launch, fully resolved: what ``kernel[grid](*args, **constexprs)`` runs.
+    Kept as data so tests can also compile exactly these launches ahead of time for a GPU
+    they do not have (tests/test_kernels_compile.py)."""
+    kernel: Any                      # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    options: dict[str, int] = field(default_factory=dict)   # num_warps, num_stages
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+def cache_write_launch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> KernelLaunch:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key_cache.stride(-1) == 1
+    assert key_cache.stride() == value_cache.stride()
+    return KernelLaunch(
+        _reshape_and_cache_kernel, (num_tokens,),
+        (key, value, key_cache, value_cache, slot_mapping,
+         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)),
+        dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
+             BLOCK_ELEMENTS=triton.next_power_of_2(num_kv_heads * head_dim)))
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
+    if key.shape[0] == 0:
         return
     if key.dtype != key_cache.dtype:
         # The kernel is a pure copy; casting here rounds exactly as the reference does.
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key_cache.stride(-1) == 1
-    assert key_cache.stride() == value_cache.stride()
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_ELEMENTS=triton.next_power_of_2(num_kv_heads * head_dim),
-    )
+    cache_write_launch(key, value, key_cache, value_cache, slot_mapping)()
 
 
 # ---- attention -------------------------------------------------------------------------------
@@ -260,6 +282,48 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: a small number still exercises split-KV in tests
 
 
+def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       scale: float, plan: LaunchPlan, out: torch.Tensor) -> list[KernelLaunch]:
+    """The attention launch, then the split merge when the plan splits the keys."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride()
+    if plan.decode_only and num_tokens != num_seqs:
+        raise ValueError("a decode-only plan needs exactly one query per sequence")
+    # tl.dot needs K >= 16 for 16-bit inputs; padded dims are masked to zero.
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    num_tiles = num_seqs if plan.decode_only else num_tokens // plan.block_q + num_seqs
+    if plan.num_splits > 1:
+        partial_out = torch.empty((plan.num_splits, num_tokens, num_heads, head_dim),
+                                  dtype=torch.float32, device=query.device)
+        partial_max = torch.empty((plan.num_splits, num_tokens, num_heads), dtype=torch.float32,
+                                  device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # unused
+    launches = [KernelLaunch(
+        _paged_attention_kernel, (num_tiles, num_kv_heads, plan.num_splits),
+        (out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+         partial_out, partial_max, partial_sum,
+         scale, num_seqs, num_tokens,
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
+        dict(NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+             HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=plan.block_m,
+             BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
+             DECODE_ONLY=plan.decode_only, DOT_IN_FP32=_dot_in_fp32(query)),
+        dict(num_warps=4, num_stages=2))]
+    if plan.num_splits > 1:
+        launches.append(KernelLaunch(
+            _merge_splits_kernel, (num_tokens, num_heads),
+            (out, partial_out, partial_max, partial_sum, num_tokens, out.stride(0), out.stride(1)),
+            dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+                 NUM_SPLITS=plan.num_splits, SPLITS_PADDED=triton.next_power_of_2(plan.num_splits))))
+    return launches
+
+
 def _dot_in_fp32(query: torch.Tensor) -> bool:
     """float32 models get IEEE float32 products (not TF32), so greedy outputs match the
     reference. Triton's CPU interpreter mis-computes bfloat16 ``tl.dot``; there the
@@ -282,7 +346,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride()
     if plan is None:
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -290,36 +353,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             max_seq_len = int(seq_lens.max())
         plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query_len, max_seq_len,
                            _num_sms(query.device), interpreter=query.device.type == "cpu")
-    if plan.decode_only and num_tokens != num_seqs:
-        raise ValueError("a decode-only plan needs exactly one query per sequence")
-    group = num_heads // num_kv_heads
-    # tl.dot needs K >= 16 for 16-bit inputs; padded dims are masked to zero.
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    num_tiles = num_seqs if plan.decode_only else num_tokens // plan.block_q + num_seqs
-    grid = (num_tiles, num_kv_heads, plan.num_splits)
-    if plan.num_splits > 1:
-        partial_out = torch.empty((plan.num_splits, num_tokens, num_heads, head_dim),
-                                  dtype=torch.float32, device=query.device)
-        partial_max = torch.empty((plan.num_splits, num_tokens, num_heads), dtype=torch.float32,
-                                  device=query.device)
-        partial_sum = torch.empty_like(partial_max)
-    else:
-        partial_out = partial_max = partial_sum = out  # unused
-    _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-        partial_out, partial_max, partial_sum,
-        scale, num_seqs, num_tokens,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
-        NUM_SPLITS=plan.num_splits, DECODE_ONLY=plan.decode_only, DOT_IN_FP32=_dot_in_fp32(query),
-        num_warps=4, num_stages=2,
-    )
-    if plan.num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_max, partial_sum, num_tokens, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-            NUM_SPLITS=plan.num_splits, SPLITS_PADDED=triton.next_power_of_2(plan.num_splits),
-        )
+    for launch in attention_launches(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+                                     scale, plan, out):
+        launch()
     return out

@@ -1,0 +1,93 @@
+"""The Triton kernels compile for real GPUs, with no GPU here.
+
+The interpreter (tests/test_kernels.py) checks what the kernels compute but not Triton's
+compiler: shape rules of ``tl.dot``, loop-carried types, early returns, shared-memory
+size. This compiles, ahead of time, the very launches the dispatcher builds (built on
+``meta`` tensors: shapes, dtypes and strides without data) for Hopper (sm_90) and Ampere
+(sm_80), with Triton's bundled ptxas, over the layouts and dtypes we serve. It runs in a
+subprocess because this test process runs Triton in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TARGETS = [(90, 32), (80, 32)]      # (compute capability, warp size): H100/H200, A100
+LAYOUTS = [(32, 8, 128), (9, 3, 64), (8, 8, 64), (8, 2, 8)]  # (query heads, KV heads, head_dim); head_dim 8: tiny test models
+SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+
+
+def compile_all() -> list[str]:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.triton_attention import KernelLaunch, attention_launches, cache_write_launch, plan_launch
+
+    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  torch.int32: "i32", torch.int64: "i64"}
+
+    def signature(launch: KernelLaunch) -> dict[str, str]:
+        names = launch.kernel.arg_names
+        sig = {}
+        for name, arg in zip(names, launch.args):
+            if isinstance(arg, torch.Tensor):
+                sig[name] = "*" + type_names[arg.dtype]
+            elif isinstance(arg, float):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+        sig.update({name: "constexpr" for name in launch.constexprs})
+        return sig
+
+    meta = torch.device("meta")
+    done = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for num_heads, num_kv_heads, head_dim in LAYOUTS:
+            key_cache = torch.empty(100, 16, num_kv_heads, head_dim, dtype=dtype, device=meta)
+            tables = torch.empty(8, 64, dtype=torch.int32, device=meta)
+            for name, num_tokens, num_seqs, max_query, max_seq in (("decode-split", 2, 2, 1, 8192),
+                                                                   ("decode", 256, 256, 1, 2048),
+                                                                   ("mixed", 600, 8, 512, 2048)):
+                plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query, max_seq, num_sms=132)
+                query = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=meta)
+                launches = attention_launches(query, key_cache, key_cache, torch.empty(num_seqs + 1, dtype=torch.int32,
+                                              device=meta), torch.empty(num_seqs, dtype=torch.int32, device=meta),
+                                              tables, head_dim ** -0.5, plan, torch.empty_like(query))
+                kv = torch.empty(num_tokens, 3 * num_kv_heads * head_dim, dtype=dtype, device=meta)
+                kv = kv[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+                launches.append(cache_write_launch(kv, kv, key_cache, key_cache,
+                                                   torch.empty(num_tokens, dtype=torch.int64, device=meta)))
+                for launch in launches:
+                    # Ampere for bfloat16 only: the dtype we serve; Hopper for everything.
+                    for capability, warp_size in TARGETS if dtype == torch.bfloat16 else TARGETS[:1]:
+                        source = ASTSource(launch.kernel, signature(launch), launch.constexprs)
+                        compiled = triton.compile(source, target=GPUTarget("cuda", capability, warp_size),
+                                                  options=dict(launch.options))
+                        label = (f"{launch.kernel.__name__} sm_{capability} {type_names[dtype]} "
+                                 f"h{num_heads}/kv{num_kv_heads} d{head_dim} {name}: {compiled.metadata.shared} B shared")
+                        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
+                        done.append(label)
+    return done
+
+
+def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "tests.test_kernels_compile"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    compiled = [line for line in done.stdout.splitlines() if " sm_" in line]
+    # per (dtype, layout, batch kind): attention + cache write (+ merge when split), on sm_90;
+    # bfloat16 on sm_80 too
+    assert len(compiled) >= 2 * len(LAYOUTS) * 3 * (3 + 1), done.stdout[-2000:]
+
+
+if __name__ == "__main__":
+    for line in compile_all():
+        print(line)
