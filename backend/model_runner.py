@@ -219,9 +219,10 @@ class ModelRunner:
         num_logits = len(sampling)
         if self.buffers is not self.host:
             self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs))
-            if self._inputs_copied is None:
-                self._inputs_copied = torch.cuda.Event()
-            self._inputs_copied.record()
+            if self.device.type == "cuda":
+                if self._inputs_copied is None:
+                    self._inputs_copied = torch.cuda.Event()
+                self._inputs_copied.record()
         buf = self.buffers
         meta = AttentionMetadata(
             positions=buf.positions[:token], slot_mapping=buf.slot_mapping[:token],

@@ -97,6 +97,27 @@ def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, referenc
     engine.check_invariants()
 
 
+def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, prompts, reference) -> None:
+    """The CUDA layout of step inputs (host buffers copied into separate device buffers,
+    block tables only up to the columns in use), with the "device" on CPU and its buffers
+    poisoned: a read of anything not copied this step would break the tokens or raise."""
+    from backend.model_runner import StepBuffers
+
+    engine = Engine(EngineConfig(model=str(tiny_llama[0]), block_size=16, num_kv_blocks=512, max_num_seqs=16,
+                                 max_num_batched_tokens=64))
+    runner = engine.runner
+    device_buffers = StepBuffers.allocate(runner.max_tokens, runner.max_seqs, runner.max_blocks_per_seq,
+                                          runner.device)
+    for tensor in vars(device_buffers).values():
+        tensor.fill_(10**6)                     # out of range for every field
+    runner.buffers = device_buffers
+    runner.decode_graphs = DecodeGraphs(runner, capture_sizes(16), capture=False)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    assert_same_tokens([o.token_ids for o in outputs], reference)
+    assert (device_buffers.block_tables == 10**6).any(), "columns past the sequences' blocks were copied"
+    engine.check_invariants()
+
+
 def test_capture_sizes() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
