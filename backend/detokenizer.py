@@ -58,9 +58,11 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text))
 
     @property
-    def released_text(self) -> str:
-        """What has been returned as deltas so far (excludes a tail held back for stop strings)."""
-        return self.text[:self._num_emitted]
+    def num_released_chars(self) -> int:
+        """How many chars of ``text`` were returned as deltas. ``text`` before that never
+        changes again (a stop string only ever truncates what was held back), so slicing it
+        later gives the same released text."""
+        return self._num_emitted
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""

@@ -179,13 +179,14 @@ class Engine:
                 new_logprobs: list[dict[int, float]] | None, finish_reason: str | None,
                 stop_reason: str | int | None = None) -> RequestOutput:
         want_logprobs = request.sampling_params.logprobs is not None
+        detokenizer = self._detokenizers[request.request_id]
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=new_ids, new_text=delta,
-            token_ids=list(request.output_token_ids), text=self._detokenizers[request.request_id].released_text,
-            finish_reason=finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            new_logprobs=new_logprobs if want_logprobs else None,
-            logprobs=list(request.logprobs) if want_logprobs else None, stop_reason=stop_reason)
+            request_id=request.request_id, new_token_ids=new_ids, new_text=delta, finish_reason=finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens, new_logprobs=new_logprobs if want_logprobs else None,
+            stop_reason=stop_reason, _all_token_ids=request.token_ids, _detokenizer=detokenizer,
+            _text_length=detokenizer.num_released_chars,
+            _all_logprobs=request.logprobs if want_logprobs else None)
 
     def _finish_output(self, request: Request, new_ids: list[int], delta: str,
                        new_logprobs: list[dict[int, float]] | None, stop_reason: str | int | None) -> RequestOutput:
