@@ -38,12 +38,12 @@ def add_slo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-attainment", type=float, help="fraction of requests that must meet the SLO")
 
 
-def slo_from(args: argparse.Namespace, profile: str | None) -> SLO | None:
+def slo_from(args: argparse.Namespace, base: SLO) -> SLO | None:
+    """``base`` with the SLO options given on the command line; None when none was given."""
     given = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot), ("e2e_s", args.slo_e2e),
                                ("min_attainment", args.min_attainment)) if v is not None}
     if not given:
         return None
-    base = PROFILES[profile or DEFAULT_PROFILE].slo
     return SLO(**{**base.__dict__, **given})
 
 
@@ -67,7 +67,7 @@ def options_from(args: argparse.Namespace, argv: list[str]) -> LoadOptions:
                        metrics_url=getattr(args, "metrics_url", None), users=args.users, duration_s=args.duration,
                        rate=args.rate, tags=args.tags, seed=args.seed, run_dir=args.run_dir,
                        server=getattr(args, "server", "start"), params=dict(p.split("=", 1) for p in args.param),
-                       drain_timeout_s=args.drain_timeout, slo=slo_from(args, args.profile),
+                       drain_timeout_s=args.drain_timeout, slo=slo_from(args, PROFILES[args.profile].slo),
                        command="python -m loadtest " + shlex.join(argv))
 
 
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from loadtest import report
 
-        summary = report.write_report(args.run_dir, slo_from(args, None))
+        # Options override the run's own SLO (run.json), field by field.
+        summary = report.write_report(args.run_dir, slo_from(args, report.resolve_slo(args.run_dir)))
         print(report.table(summary))
         print(f"Result: {report.verdict(summary)}".replace("**", ""))
         return 0 if summary.passed else 1

@@ -174,9 +174,11 @@ class Summary:
 
     @property
     def passed(self) -> bool:
+        """No failure, at least one request completed, and enough of them met the SLO (a run
+        that completed nothing proves nothing, so it does not pass)."""
         overall = self.overall
-        attained = overall.attainment is None or overall.attainment >= self.slo.min_attainment
-        return overall.failed == 0 and attained
+        return (overall.failed == 0 and overall.attainment is not None
+                and overall.attainment >= self.slo.min_attainment)
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -72,10 +72,10 @@ class UserStream:
     def run(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Send ``spec`` and fill ``record`` in place as responses arrive (so that a caller
         interrupted mid-request still holds what was measured)."""
-        events = self._events or self._open()
         deadline = time.monotonic() + self.request_timeout
         record.sent_at = time.time()
         try:
+            events = self._events or self._open()
             # enable_empty_final_response: Triton marks the end of every stream, even when the
             # model's last response carried data or the model only sent the FINAL flag.
             self._client.async_stream_infer(self.model, build_inputs(spec.prompt, spec.sampling()),
@@ -109,9 +109,10 @@ class UserStream:
             self._close_stream(cancel=True)
             self._finish(record, FAILED, time.time(), error=describe(exc))
         except BaseException:
-            # Locust stopping a user after the drain timeout (GreenletExit) or Ctrl-C.
-            self._close_stream(cancel=True)
+            # Locust stopping a user after the drain timeout (GreenletExit) or Ctrl-C. Record
+            # first: closing the stream joins its reader and may itself be interrupted.
             self._finish(record, INTERRUPTED, time.time())
+            self._close_stream(cancel=True)
             raise
 
     @staticmethod

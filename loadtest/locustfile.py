@@ -112,6 +112,11 @@ def setup(environment: Environment, **_: Any) -> None:
 def on_test_start(environment: Environment, **_: Any) -> None:
     assert STATE is not None
     options = environment.parsed_options
+    # Locust's web UI can start a test again in the same process: begin each one afresh
+    # (records of all tests of the process go to the same records.jsonl).
+    STATE.stopping.clear()
+    STATE.arrivals = Arrivals(options.rate or None, options.seed)
+    STATE.interleave = None
     if options.metrics_url:
         STATE.sampler = MetricsSampler(options.metrics_url, STATE.run_dir / "metrics.jsonl",
                                        options.scrape_interval).start()
@@ -159,7 +164,10 @@ class ScenarioMix(TaskSet):
         assert STATE is not None
         by_name = {task.scenario: task for task in self.tasks}
         if STATE.interleave is None:
-            STATE.interleave = WeightedInterleave({n: STATE.weights.get(n) or 1 for n in by_name})
+            # Weight 0 leaves a scenario out of the mix, unless tags selected only such ones.
+            weights = {n: STATE.weights.get(n, 0) for n in by_name}
+            positive = {n: w for n, w in weights.items() if w > 0}
+            STATE.interleave = WeightedInterleave(positive or {n: 1 for n in by_name})
         return by_name[STATE.interleave.next()]
 
 
@@ -179,13 +187,14 @@ class LLMUser(User):
 
     def send(self, scenario: str) -> None:
         assert STATE is not None
+        # Build the prompt first: its tokenization is client work, not the server's latency.
+        spec = STATE.workload.next(scenario)
         now = time.time()
         scheduled = STATE.arrivals.next_time(now)
         if scheduled > now and STATE.stopping.wait(scheduled - now):
             return                      # the run ended before this arrival
         if STATE.stopping.is_set():
             return
-        spec = STATE.workload.next(scenario)
         record = RequestRecord(request_id=spec.request_id, scenario=spec.scenario, name=spec.name, user=self.user_id,
                                scheduled_at=scheduled, sent_at=scheduled, expected_prompt_tokens=spec.prompt_tokens,
                                max_tokens=spec.max_tokens, priority=spec.priority, cancel_after=spec.cancel_after)

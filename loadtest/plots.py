@@ -73,9 +73,9 @@ def timeline(records: list[RequestRecord], samples: list[dict], start: float, wi
     ts = np.array([s["t"] - start for s in rows])
     if rows:
         ax_run.plot(ts, [s["running"] for s in rows], label="running (server)")
-        ax_run.plot(ts, [s["waiting"] for s in rows], label="waiting (server)")
+        ax_run.plot(ts, [s["waiting"] or 0 for s in rows], label="waiting (server)")
         ax_kv.plot(ts, [100 * (s["kv_usage"] or 0) for s in rows], label="KV blocks in use")
-        if rows[0].get("kv_cached") is not None and rows[0].get("kv_total"):
+        if all(s.get("kv_cached") is not None and s.get("kv_total") for s in rows):
             ax_kv.plot(ts, [100 * s["kv_cached"] / s["kv_total"] for s in rows], label="blocks in the prefix cache",
                        linestyle="--")
     ax_run.set(title="Requests", ylabel="requests")

@@ -13,7 +13,6 @@ OK = "ok"                     # the server ended the stream with its final respo
 CANCELLED = "cancelled"       # the client cancelled it on purpose (cancel scenario)
 FAILED = "failed"             # an error response, a broken stream or a timeout
 INTERRUPTED = "interrupted"   # still running when the drain timeout ran out; not a failure
-OUTCOMES = (OK, CANCELLED, FAILED, INTERRUPTED)
 
 
 @dataclass

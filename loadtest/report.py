@@ -97,7 +97,7 @@ def server_lines(samples: list[dict], meta: dict) -> list[str]:
             return (last.get(key) or 0) - (first.get(key) or 0)
 
         lines.append(f"Server during the run ({len(rows)} scrapes of /metrics): peak running "
-                     f"{max(s['running'] for s in rows):.0f}, peak waiting {max(s['waiting'] for s in rows):.0f}, "
+                     f"{max(s['running'] or 0 for s in rows):.0f}, peak waiting {max(s['waiting'] or 0 for s in rows):.0f}, "
                      f"peak KV usage {100 * max(s['kv_usage'] or 0 for s in rows):.0f}% of "
                      f"{first.get('kv_total') or 0:.0f} blocks, prefix-cache hit tokens {delta('prefix_hit_tokens'):.0f}, "
                      f"preemptions {delta('preemptions'):.0f}, generated tokens {delta('generation_tokens'):.0f}.")

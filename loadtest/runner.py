@@ -70,7 +70,9 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.summary.passed and self.back_to_idle and self.server_exit is None else 1
+        ok = (self.summary.passed and self.back_to_idle and self.server_exit is None and self.locust_exit == 0
+              and self.summary.interrupted == 0)
+        return 0 if ok else 1
 
 
 def model_ready(host: str, timeout: float = 3.0) -> bool:

@@ -122,10 +122,6 @@ class Arrivals:
         self._rng = np.random.default_rng([seed, 7])
         self._next: float | None = None
 
-    @property
-    def open_loop(self) -> bool:
-        return self.rate is not None
-
     def next_time(self, now: float) -> float:
         if self.rate is None:
             return now
