@@ -18,7 +18,7 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import InvalidRequestError, QueueFullError
 from backend.kv_cache_manager import KVCacheManager
 from backend.model import ModelArchitecture
-from backend.model_runner import ModelRunner, resolve_max_model_len
+from backend.model_runner import ModelRunner
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.sampler import Sampler
@@ -68,8 +68,8 @@ class Engine:
         self.arch = ModelArchitecture.from_folder(config.model)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
-        self.max_model_len = resolve_max_model_len(config, self.arch)
         self.runner = ModelRunner(config, self.arch)
+        self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.validator = self.make_validator()

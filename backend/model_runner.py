@@ -20,6 +20,7 @@ import torch
 import kernels
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.kv_cache_manager import cdiv
 from backend.model import AttentionMetadata, ModelArchitecture, load_model
 from backend.request import Request
 
@@ -44,15 +45,11 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchitecture) -> int:
     return min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass
 class StepBuffers:
     """Preallocated inputs of one step: rows ``[:num_tokens]`` / ``[:num_seqs]`` are live.
-    ``host`` holds numpy views the runner writes; ``device`` the tensors the model reads
-    (the same memory on CPU). CUDA graphs read the device tensors in place."""
+    The runner keeps a host set (written through numpy views) and, on CUDA, a device set the
+    model and the CUDA graphs read in place; on CPU both are the same object."""
     input_ids: torch.Tensor       # [max_tokens] int64
     positions: torch.Tensor       # [max_tokens] int64
     slot_mapping: torch.Tensor    # [max_tokens] int64
@@ -114,10 +111,7 @@ class ModelRunner:
         self._inputs_copied: torch.cuda.Event | None = None
 
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
-        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(arch.num_layers)]
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
 
         self.decode_graphs: DecodeGraphs | None = None
         # The reference attention syncs with the host (it loops over sequences), which a
@@ -126,6 +120,12 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self, capture_sizes(self.max_seqs), capture=True)
 
     # ---- memory ------------------------------------------------------------------------------
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(key, value) per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
+
     @property
     def bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -161,9 +161,7 @@ class ModelRunner:
         with a throwaway cache just big enough, and max_num_seqs logits rows."""
         num_tokens = min(self.max_tokens, self.max_model_len)
         num_blocks = cdiv(num_tokens, self.block_size)
-        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
+        caches = self._allocate_kv_caches(num_blocks)
         torch.cuda.synchronize(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

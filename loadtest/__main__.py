@@ -8,8 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from loadtest.profiles import DEFAULT_PROFILE, PROFILES, SCENARIOS, SLO
-from loadtest.runner import DEFAULT_HOST, LoadOptions, print_result, run_compare, run_load
+from loadtest.profiles import DEFAULT_HOST, DEFAULT_PROFILE, PROFILES, SCENARIOS, SLO
+from loadtest.runner import LoadOptions, print_result, run_compare, run_load
 
 
 def parse_duration(text: str) -> float:

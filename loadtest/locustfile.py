@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from loadtest.grpc_stream import TritonRequestError, UserStream  # noqa: E402
-from loadtest.profiles import DEFAULT_PROFILE, PROFILES, SCENARIOS  # noqa: E402
+from loadtest.profiles import DEFAULT_HOST, DEFAULT_PROFILE, PROFILES, SCENARIOS  # noqa: E402
 from loadtest.prompts import PromptFactory, model_max_len  # noqa: E402
 from loadtest.records import CANCELLED, FAILED, INTERRUPTED, RecordWriter, RequestRecord  # noqa: E402
 from loadtest.server_metrics import MetricsSampler  # noqa: E402
@@ -48,7 +48,6 @@ from loadtest.workload import Arrivals, Workload, WeightedInterleave  # noqa: E4
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # no tokenizer thread pool beside gevent
 
-DEFAULT_HOST = "127.0.0.1:8001"
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 REQUEST_TYPE = "grpc-stream"
 # After a failed request a user pauses this long, so that a server that is down does not turn

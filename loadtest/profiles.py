@@ -168,3 +168,4 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             slo=SLO(ttft_s=30.0, tpot_s=5.0, min_attainment=0.0), drain_timeout_s=30, prefix_groups=2),
 )}
 DEFAULT_PROFILE = "cpu"
+DEFAULT_HOST = "127.0.0.1:8001"     # the gRPC address make serve listens on

@@ -20,19 +20,18 @@ from urllib.parse import urlsplit
 
 from loadtest import report
 from loadtest.analysis import Summary
-from loadtest.profiles import PROFILES, SLO, Profile
+from loadtest.profiles import DEFAULT_HOST, DEFAULT_PROFILE, PROFILES, SLO, Profile
 from loadtest.server_metrics import wait_until_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
-DEFAULT_HOST = "127.0.0.1:8001"
 DEFAULT_METRICS_PORT = 8002
 MODEL = "llm"
 
 
 @dataclass
 class LoadOptions:
-    profile: str = "cpu"
+    profile: str = DEFAULT_PROFILE
     host: str = DEFAULT_HOST                 # gRPC address
     metrics_url: str | None = None           # default: same host, port 8002 (or the started server's)
     users: int | None = None                 # default: the profile's

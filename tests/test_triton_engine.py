@@ -15,7 +15,7 @@ import pytest
 from backend import Engine, EngineConfig, SamplingParams
 from backend.cuda_graphs import DecodeGraphs, capture_sizes
 from tests.conftest import hf_greedy
-from tests.test_hf_equality import CONFIGS, MAX_NEW_TOKENS, PROMPT_LENGTHS, assert_same_tokens, run_engine
+from tests.test_hf_equality import CONFIGS, MAX_NEW_TOKENS, assert_same_tokens, mixed_prompts, run_engine  # noqa: F401 (fixture)
 from tests.test_tiny_architectures import make_tiny_model
 
 
@@ -27,19 +27,14 @@ def tiny_llama(tmp_path_factory, model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def prompts(prose_ids: list[int]) -> list[list[int]]:
-    return [prose_ids[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate(PROMPT_LENGTHS)]
-
-
-@pytest.fixture(scope="module")
 def shared_prompts(prose_ids: list[int]) -> list[list[int]]:
     prefix = prose_ids[:200]
     return [prefix + prose_ids[500 + 13 * i: 500 + 13 * i + 5 + 9 * i] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, prompts) -> list[list[int]]:
-    return hf_greedy(tiny_llama[1], prompts, MAX_NEW_TOKENS)
+def reference(tiny_llama, mixed_prompts) -> list[list[int]]:
+    return hf_greedy(tiny_llama[1], mixed_prompts, MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +47,15 @@ def triton_config(folder: Path, **overrides) -> EngineConfig:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_triton_greedy_matches_transformers(name: str, tiny_llama, prompts, reference) -> None:
-    engine, ours = run_engine(triton_config(tiny_llama[0], **CONFIGS[name]), prompts)
+def test_triton_greedy_matches_transformers(name: str, tiny_llama, mixed_prompts, reference) -> None:
+    engine, ours = run_engine(triton_config(tiny_llama[0], **CONFIGS[name]), mixed_prompts)
     assert engine.runner.attention_backend == "triton"
     assert_same_tokens(ours, reference)
 
 
-def test_triton_preemption_keeps_tokens_exact(tiny_llama, prompts, reference) -> None:
+def test_triton_preemption_keeps_tokens_exact(tiny_llama, mixed_prompts, reference) -> None:
     engine, ours = run_engine(triton_config(tiny_llama[0], block_size=16, num_kv_blocks=40,
-                                            max_num_batched_tokens=64), prompts)
+                                            max_num_batched_tokens=64), mixed_prompts)
     assert engine.stats().num_preemptions > 0
     assert_same_tokens(ours, reference)
 
@@ -74,7 +69,7 @@ def test_triton_prefix_hits(tiny_llama, shared_prompts, shared_reference) -> Non
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, reference) -> None:
+def test_padded_decode_batches_match(backend: str, tiny_llama, mixed_prompts, reference) -> None:
     """Decode steps padded to the CUDA-graph batch sizes (dummy rows with slot -1) change
     nothing: same tokens, and the padding writes no KV (invariants and no leaks hold)."""
     engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
@@ -91,13 +86,13 @@ def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, referenc
         return original_run(num_seqs)
 
     runner.decode_graphs.run = counting_run
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    outputs = engine.generate(mixed_prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     assert padded_steps > 0, "no decode step was padded"
     assert_same_tokens([o.token_ids for o in outputs], reference)
     engine.check_invariants()
 
 
-def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, prompts, reference) -> None:
+def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, mixed_prompts, reference) -> None:
     """The CUDA layout of step inputs (host buffers copied into separate device buffers,
     block tables only up to the columns in use), with the "device" on CPU and its buffers
     poisoned: a read of anything not copied this step would break the tokens or raise."""
@@ -112,7 +107,7 @@ def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, prompts, ref
         tensor.fill_(10**6)                     # out of range for every field
     runner.buffers = device_buffers
     runner.decode_graphs = DecodeGraphs(runner, capture_sizes(16), capture=False)
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    outputs = engine.generate(mixed_prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     assert_same_tokens([o.token_ids for o in outputs], reference)
     assert (device_buffers.block_tables == 10**6).any(), "columns past the sequences' blocks were copied"
     engine.check_invariants()
