@@ -33,7 +33,8 @@ class EngineConfig:
     batching: Literal["continuous", "static"] = "continuous"
     max_waiting_requests: int = 1024           # admission control: refuse beyond this queue depth
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json
-    attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: triton on CUDA, reference on CPU
+    attention_backend: Literal["auto", "triton", "cpu", "reference"] = "auto"  # auto: triton on CUDA, cpu on CPU
+    cpu_weight_packing: bool = True            # CPU: prepack linear weights for oneDNN (false: plain F.linear)
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     seed: int = 0                              # engine-wide RNG for requests without a seed
 
@@ -87,8 +88,8 @@ class EngineConfig:
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")
         check(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         check(self.load_format in ("auto", "dummy"), "load_format must be auto or dummy")
-        check(self.attention_backend in ("auto", "triton", "reference"),
-              "attention_backend must be auto, triton or reference")
+        check(self.attention_backend in ("auto", "triton", "cpu", "reference"),
+              "attention_backend must be auto, triton, cpu or reference")
 
 
 def _coerce(name: str, raw: Any, annotation: str) -> Any:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from backend.cpu_linear import PackedLinear, onednn_packing_available, pack_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -149,7 +150,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                value_cache: torch.Tensor, meta: AttentionMetadata,
+                plan: kernels.CpuAttentionPlan | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -157,10 +159,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=self.attention_backend)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=self.attention_backend,
+                                  plan=plan)
         o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
-                                    backend=self.attention_backend)
+                                    backend=self.attention_backend, plan=plan)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -192,11 +195,13 @@ class CausalLM(nn.Module):
     def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference") -> None:
         super().__init__()
         self.arch = arch
+        self.attention_backend = attention_backend
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend) for _ in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.packed_lm_head: PackedLinear | None = None   # set by pack_for_cpu
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,12 +214,25 @@ class CausalLM(nn.Module):
         """Returns float32 logits for the rows in ``meta.logits_indices``."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(meta.positions, h.dtype)
+        # Gather indices etc. derived from the block tables once per step, reused by every layer.
+        plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
+                                      kv_caches[0][0].shape[1], self.attention_backend)
         for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta, plan)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h[meta.logits_indices])
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(h).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every projection and the LM head for oneDNN (backend/cpu_linear.py). A
+        tied head keeps the embedding table for lookups and gets a packed copy for logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = PackedLinear(weight, None)
+        self.lm_head = None
+        pack_linears(self.model.layers)
 
 
 # ---- weights -------------------------------------------------------------------------------
@@ -237,7 +255,8 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, attention_backend: str = "reference") -> CausalLM:
+               load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
+               cpu_weight_packing: bool = False) -> CausalLM:
     folder = Path(folder)
     with torch.device("meta"):
         model = CausalLM(arch, attention_backend)
@@ -258,6 +277,8 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         _load_checkpoint(model, _checkpoint_tensors(folder))
     # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
+    if cpu_weight_packing and device.type == "cpu" and onednn_packing_available():
+        model.pack_for_cpu()
     return model.eval()
 
 

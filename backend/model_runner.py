@@ -93,7 +93,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
-                                self.attention_backend)
+                                self.attention_backend, config.cpu_weight_packing)
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens

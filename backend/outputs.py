@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -44,3 +44,14 @@ class RequestOutput:
     def logprobs(self) -> list[dict[int, float]] | None:
         """Per generated token, when asked."""
         return None if self._all_logprobs is None else self._all_logprobs[:self.num_output_tokens]
+
+    def merged_with(self, later: "RequestOutput") -> "RequestOutput":
+        """This delta followed by ``later`` (the same request's next output) as one output:
+        a sender that fell behind sends one response instead of several round trips."""
+        if later.request_id != self.request_id:
+            raise ValueError("only outputs of the same request can be merged")
+        logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text, new_logprobs=logprobs)

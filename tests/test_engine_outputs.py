@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from backend import Engine, EngineConfig, SamplingParams
 
 
@@ -38,3 +40,25 @@ def test_cumulative_views_are_per_step_snapshots(model_dir: Path, prose_ids: lis
     assert history["r1"][-1].stop_reason == " the"
     assert " the" not in history["r1"][-1].text
     assert history["r0"][-1].logprobs is not None and history["r1"][-1].logprobs is None
+
+
+def test_merged_outputs_equal_the_deltas_in_sequence(model_dir: Path, prose_ids: list[int]) -> None:
+    """A sender that fell behind merges a stream's queued deltas: the merge of any run of
+    consecutive outputs carries their concatenated deltas and the last one's state."""
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64))
+    engine.add_request("a", prose_ids[:20], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    merged = outputs[2]
+    for out in outputs[3:]:
+        merged = merged.merged_with(out)
+    assert merged.new_token_ids == sum((o.new_token_ids for o in outputs[2:]), [])
+    assert merged.new_text == "".join(o.new_text for o in outputs[2:])
+    assert merged.new_logprobs == sum((o.new_logprobs for o in outputs[2:]), [])
+    assert merged.finished and merged.finish_reason == "length"
+    assert merged.num_output_tokens == 12 and merged.token_ids == outputs[-1].token_ids
+    assert merged.text == outputs[-1].text
+    other = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64)).generate([prose_ids[:5]])[0]
+    with pytest.raises(ValueError):
+        outputs[0].merged_with(other)

@@ -114,13 +114,22 @@ class TritonPythonModel:
 
     # ---- sender thread ----------------------------------------------------------------------
     def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            stream, result = item
-            try:
-                self._send_result(stream, result)
-            except Exception:  # noqa: BLE001 - e.g. the client went away: stop generating for it
-                logger.exception("sending a response of %s failed", stream.request_id)
-                self.loop.abort(stream.request_id)
+        while True:
+            # Everything queued since the last round: while the sender was busy, a stream may
+            # have gained several deltas, which go out as one response (num_output_tokens says
+            # how many tokens it carries).
+            items = [self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            stopping = None in items
+            for stream, result in _coalesce([item for item in items if item is not None]):
+                try:
+                    self._send_result(stream, result)
+                except Exception:  # noqa: BLE001 - e.g. the client went away: stop generating for it
+                    logger.exception("sending a response of %s failed", stream.request_id)
+                    self.loop.abort(stream.request_id)
+            if stopping:
+                return
 
     def _send_result(self, stream: _Stream, result: RequestOutput | BaseException) -> None:
         final = isinstance(result, BaseException) or result.finished
@@ -197,6 +206,23 @@ class TritonPythonModel:
         self.loop.stop()            # every open stream gets its final ("abort") output
         self._outbox.put(None)      # ...which the sender flushes before it exits
         self._sender.join(30)
+
+
+def _coalesce(items: list[tuple[_Stream, RequestOutput | BaseException]],
+              ) -> list[tuple[_Stream, RequestOutput | BaseException]]:
+    """Merge each stream's consecutive outputs, in order; errors are never merged."""
+    result: list[tuple[_Stream, RequestOutput | BaseException]] = []
+    open_output: dict[str, int] = {}   # request id -> index in result of its unfinished output
+    for stream, item in items:
+        index = open_output.pop(stream.request_id, None)
+        if index is not None and isinstance(item, RequestOutput):
+            result[index] = (stream, result[index][1].merged_with(item))
+        else:
+            index = len(result)
+            result.append((stream, item))
+        if isinstance(item, RequestOutput) and not item.finished:
+            open_output[stream.request_id] = index
+    return result
 
 
 # ---- input parsing ------------------------------------------------------------------------------
