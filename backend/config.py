@@ -34,6 +34,9 @@ class EngineConfig:
     max_waiting_requests: int = 1024           # admission control: refuse beyond this queue depth
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json
     attention_backend: Literal["auto", "triton", "cpu", "reference"] = "auto"  # auto: triton on CUDA, cpu on CPU
+    cpu_threads: int | None = None             # CPU: torch / OpenMP threads of the engine; None = every core
+                                               # this process may run on (os.sched_getaffinity)
+    quantization: Literal["none", "int8"] = "none"  # int8: weight-only int8 decoder projections (CPU opt-in)
     cpu_weight_packing: bool = True            # CPU: prepack linear weights for oneDNN (false: plain F.linear)
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     seed: int = 0                              # engine-wide RNG for requests without a seed
@@ -83,6 +86,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               "max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
+        check(self.quantization in ("none", "int8"), "quantization must be none or int8")
+        check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from backend.cpu_linear import PackedLinear, onednn_packing_available, pack_linears
+from backend.cpu_linear import PackedLinear, onednn_packing_available, pack_linears, quantize_linears_int8
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -109,6 +109,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op, the same arithmetic as below for float32 inputs (tested).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and scale in the input dtype, exactly as transformers does.
         dtype = x.dtype
         x = x.float()
@@ -152,13 +155,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata,
                 plan: kernels.CpuAttentionPlan | None = None) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k rotated as one tensor of num_heads + num_kv_heads heads: half the ops.
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                     self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=self.attention_backend,
                                   plan=plan)
         o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
@@ -176,7 +184,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place on the projection's own output: no extra activations allocated.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -218,8 +227,8 @@ class CausalLM(nn.Module):
         plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
                                       kv_caches[0][0].shape[1], self.attention_backend)
         for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta, plan)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h += layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta, plan)
+            h += layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h[meta.logits_indices])
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h).float()
@@ -256,7 +265,7 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
-               cpu_weight_packing: bool = False) -> CausalLM:
+               cpu_weight_packing: bool = False, quantization: str = "none") -> CausalLM:
     folder = Path(folder)
     with torch.device("meta"):
         model = CausalLM(arch, attention_backend)
@@ -277,7 +286,13 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         _load_checkpoint(model, _checkpoint_tensors(folder))
     # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
-    if cpu_weight_packing and device.type == "cpu" and onednn_packing_available():
+    if quantization == "int8":
+        # The decoder's projections only: the LM head stays in the model dtype (its rounding
+        # would move every logit), and is packed below.
+        quantize_linears_int8(model.model.layers)
+    # float32 only: oneDNN packs bfloat16 weights only on CPUs with AVX512-BF16 / AVX-NE-CONVERT,
+    # and none has been measured here.
+    if cpu_weight_packing and device.type == "cpu" and dtype == torch.float32 and onednn_packing_available():
         model.pack_for_cpu()
     return model.eval()
 

@@ -12,6 +12,7 @@ preallocated device buffers once per step; nothing loops over tokens or layers i
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,16 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(config.device)
+
+
+def configure_cpu_threads(config: EngineConfig) -> int:
+    """One intra-op thread per core the process may use (the engine thread is one of them).
+    Measured on 2 cores: a 16-sequence decode step takes 144 ms on 1 thread, 92 ms on 2.
+    Triton's own threads and the adapter's sender need little CPU (< 3% of a core each at
+    16 streams), so they get no core of their own."""
+    threads = config.cpu_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -89,11 +100,13 @@ class ModelRunner:
         self.arch = arch
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        if self.device.type == "cpu":
+            logger.info("CPU engine: %d threads", configure_cpu_threads(config))
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
-                                self.attention_backend, config.cpu_weight_packing)
+                                self.attention_backend, config.cpu_weight_packing, config.quantization)
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens
