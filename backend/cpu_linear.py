@@ -13,6 +13,8 @@ and tests compare the two.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -58,26 +60,14 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_linears_int8(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` below ``module`` by an ``Int8Linear``; returns how many."""
+def replace_linears(module: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` below ``module`` by ``make(weight, bias)``; returns how many.
+    The original weights are dropped (the replacement keeps its own copy)."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child.weight, child.bias))
+            setattr(module, name, make(child.weight, child.bias))
             count += 1
         else:
-            count += quantize_linears_int8(child)
-    return count
-
-
-def pack_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` below ``module`` by a ``PackedLinear``; returns how many.
-    The original weights are dropped (the packed copy is the only one kept)."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
-            count += 1
-        else:
-            count += pack_linears(child)
+            count += replace_linears(child, make)
     return count

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from backend.cpu_linear import PackedLinear, onednn_packing_available, pack_linears, quantize_linears_int8
+from backend.cpu_linear import Int8Linear, PackedLinear, onednn_packing_available, replace_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -241,7 +241,7 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = PackedLinear(weight, None)
         self.lm_head = None
-        pack_linears(self.model.layers)
+        replace_linears(self.model.layers, PackedLinear)
 
 
 # ---- weights -------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     if quantization == "int8":
         # The decoder's projections only: the LM head stays in the model dtype (its rounding
         # would move every logit), and is packed below.
-        quantize_linears_int8(model.model.layers)
+        replace_linears(model.model.layers, Int8Linear)
     # float32 only: oneDNN packs bfloat16 weights only on CPUs with AVX512-BF16 / AVX-NE-CONVERT,
     # and none has been measured here.
     if cpu_weight_packing and device.type == "cpu" and dtype == torch.float32 and onednn_packing_available():

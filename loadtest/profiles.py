@@ -156,12 +156,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     # GPU-sized: the scenarios as defined above.
     Profile("full", 1.0, 1.0, users=32, duration_s=300, weights=DEFAULT_WEIGHTS,
             slo=SLO(ttft_s=2.0, tpot_s=0.1), drain_timeout_s=300),
-    # Two CPU cores at ~90 output tokens/s in all: lengths / 8, a handful of users. A started
-    # server runs at most 6 sequences, so a few requests queue and the priority classes
-    # differ (with 4, the bulk class starves behind everyone else).
-    Profile("cpu", 1 / 8, 1 / 8, users=8, duration_s=180, weights=DEFAULT_WEIGHTS,
+    # Two CPU cores at ~90-160 output tokens/s in all: lengths / 8, 16 users. A started server
+    # runs at most 12 sequences, so a few requests queue and the priority classes differ.
+    Profile("cpu", 1 / 8, 1 / 8, users=16, duration_s=180, weights=DEFAULT_WEIGHTS,
             slo=SLO(ttft_s=5.0, tpot_s=0.5),
-            server_params={"scheduling_policy": "priority", "max_num_seqs": "6"}),
+            server_params={"scheduling_policy": "priority", "max_num_seqs": "12"}),
     # The smoke run of `make test`: every scenario equally often, tiny lengths, loose SLOs
     # (it checks correctness, not speed).
     Profile("smoke", 1 / 32, 1 / 32, users=4, duration_s=20, weights={n: 1 for n in SCENARIOS},
