@@ -125,4 +125,4 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch, tiny_llama) -
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         kernels.resolve_backend("triton", __import__("torch").device("cpu"))
-    assert kernels.resolve_backend("auto", __import__("torch").device("cpu")) == "reference"
+    assert kernels.resolve_backend("auto", __import__("torch").device("cpu")) == "cpu"
