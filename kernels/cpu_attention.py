@@ -41,7 +41,6 @@ class PrefillSpan:
 @dataclass
 class CpuAttentionPlan:
     """Gather indices of one step, shared by every layer."""
-    num_tokens: int
     decode_rows: torch.Tensor | None     # [num_decodes] query rows of one-token sequences
     decode_slots: torch.Tensor | None    # [num_decodes * max_len] slots, row-major by sequence
     decode_mask: torch.Tensor | None     # [num_decodes, 1, 1, max_len] bool; None when no padding
@@ -55,7 +54,7 @@ class CpuAttentionPlan:
 
 
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   slot_mapping: torch.Tensor, block_size: int) -> CpuAttentionPlan:
+                       slot_mapping: torch.Tensor, block_size: int) -> CpuAttentionPlan:
     """Derive the step's gather indices from its metadata (host tensors; one pass)."""
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
@@ -95,7 +94,7 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         context_len = seq_len - (q_end - q_start)
         mask = positions.unsqueeze(0) <= (torch.arange(q_end - q_start) + context_len).unsqueeze(1)
         prefills.append(PrefillSpan(q_start, q_end, slots, mask))
-    return CpuAttentionPlan(num_tokens, decode_rows, decode_slots, decode_mask, decode_max_len,
+    return CpuAttentionPlan(decode_rows, decode_slots, decode_mask, decode_max_len,
                             decodes_are_all_rows, decode_lens, decode_tables, prefills, write_rows, write_slots)
 
 
