@@ -3,9 +3,9 @@ preemption, priorities. No Triton imports here; model_repository/ adapts it."""
 
 from backend.config import EngineConfig
 from backend.engine import Engine, EngineStats
-from backend.errors import InvalidRequestError, QueueFullError
+from backend.errors import InvalidRequestError, QueueFullError, ShuttingDownError
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequestError", "QueueFullError",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "SamplingParams", "ShuttingDownError"]

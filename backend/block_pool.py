@@ -85,6 +85,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's prefix-cache entry (its K/V will not be what the hash says)."""
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             block.block_hash = None

@@ -40,6 +40,9 @@ class EngineConfig:
     cpu_weight_packing: bool = True            # CPU: prepack linear weights for oneDNN (false: plain F.linear)
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     seed: int = 0                              # engine-wide RNG for requests without a seed
+    drain_timeout_s: float = 20.0              # serving: on shutdown or unload, how long requests in flight
+                                               # may finish before they are aborted (the launcher sets
+                                               # Triton's exit timeout above it)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +95,7 @@ class EngineConfig:
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")
         check(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+        check(0 <= self.drain_timeout_s <= 3600, "drain_timeout_s must be in [0, 3600]")
         check(self.load_format in ("auto", "dummy"), "load_format must be auto or dummy")
         check(self.attention_backend in ("auto", "triton", "cpu", "reference"),
               "attention_backend must be auto, triton, cpu or reference")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,11 +22,12 @@ from backend.model import ModelArchitecture
 from backend.model_runner import ModelRunner
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
-from backend.sampler import Sampler
+from backend.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
+from backend.scheduler import Scheduler, SchedulerOutput
 from backend.validation import Prompt, RequestValidator
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
@@ -110,14 +112,17 @@ class Engine:
         return RequestValidator(tokenizer or self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                 self.config.block_size, self.kv_cache.pool.num_blocks)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks. Its final output (finish_reason "abort") is
-        returned by the next ``step()``. Returns False if the request is not in flight."""
+    def abort(self, request_id: str, message: str | None = None) -> bool:
+        """Stop a request now and free its blocks. Its final output (finish_reason "abort",
+        ``finish_message`` = ``message``) is returned by the next ``step()``. Returns False if
+        the request is not in flight."""
         request = self.requests.get(request_id)
         if request is None:
             return False
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        self._pending_outputs.append(self._finish_output(request, [], "", [], None))
+        output = self._finish_output(request, [], "", [], None)
+        output.finish_message = message
+        self._pending_outputs.append(output)
         return True
 
     # ---- the loop --------------------------------------------------------------------------
@@ -126,24 +131,104 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, one forward pass, sample, update. Returns an output for
-        every request that produced tokens or finished."""
+        every request that produced tokens or finished.
+
+        If the forward pass or sampling raises, the requests responsible are found and failed
+        (finish_reason "error"); the others run again and get the tokens they would have got.
+        Raises only when the failure cannot be pinned on any request."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        block_ids = {r.request_id: [b.block_id for b in self.kv_cache.blocks_of(r.request_id)]
-                     for r in sched.requests}
-        input_ids, meta, sampling = self.runner.prepare(sched.requests, sched.num_scheduled_tokens, block_ids)
-        logits = self.runner.execute(input_ids, meta)
-        sampled = self.sampler(logits, sampling) if sampling else None
-        for request in sched.requests:
+        computed = sched.requests
+        try:
+            sampling, sampled = self._run_batch(computed, sched)
+        except Exception as exc:  # noqa: BLE001 - isolated below, re-raised if it cannot be
+            logger.warning("engine step failed (%r); isolating the requests responsible", exc)
+            computed, sampling, sampled = self._isolate_failure(sched, exc, outputs)
+        for request in computed:
             self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
                                                    request.num_prompt_tokens - request.num_computed_tokens))
-        self.scheduler.update_after_step(sched)
+        self.scheduler.update_after_step(sched, computed)
         self.num_steps += 1
         for row, request in enumerate(sampling):
-            outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+            try:
+                outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+            except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
+                logger.exception("processing the token of %s failed", request.request_id)
+                outputs.append(self._fail_request(request, exc))
         return outputs
+
+    def _run_batch(self, requests: list[Request], sched: SchedulerOutput,
+                   ) -> tuple[list[Request], SamplerOutput | None]:
+        """Forward pass + sampling for ``requests`` (scheduled in ``sched``). Touches no
+        scheduling state: only the K/V slots of these requests and the RNGs."""
+        block_ids = {r.request_id: [b.block_id for b in self.kv_cache.blocks_of(r.request_id)] for r in requests}
+        input_ids, meta, sampling = self.runner.prepare(requests, sched.num_scheduled_tokens, block_ids)
+        logits = self.runner.execute(input_ids, meta)
+        return sampling, (self.sampler(logits, sampling) if sampling else None)
+
+    def _isolate_failure(self, sched: SchedulerOutput, error: Exception, outputs: list[RequestOutput],
+                         ) -> tuple[list[Request], list[Request], SamplerOutput | None]:
+        """A step failed. Re-run its requests in halves to find those that fail on their own
+        (a failure that follows a request is the request's), fail them, and run the step again
+        without them. RNG states are restored before every run, so seeded requests draw the
+        same noise as in the step that failed. Returns what ``step`` continues with."""
+        rng = self.sampler.rng_state(sched.requests)
+        culprits: dict[str, Exception] = {}
+
+        def probe(group: list[Request], known_error: Exception | None = None) -> None:
+            if known_error is None:
+                self.sampler.restore_rng_state(rng)
+                try:
+                    self._run_batch(group, sched)
+                    return
+                except Exception as exc:  # noqa: BLE001
+                    known_error = exc
+            if len(group) == 1:
+                culprits[group[0].request_id] = known_error
+                return
+            half = len(group) // 2
+            probe(group[:half])
+            probe(group[half:])
+
+        probe(sched.requests, error)
+        if not culprits:   # the failure follows no request (e.g. it needs the whole batch)
+            raise error
+        culprit_requests = [r for r in sched.requests if r.request_id in culprits]
+        survivors = [r for r in sched.requests if r.request_id not in culprits]
+        # A survivor that took a prefix hit on a block a culprit was filling in this step would
+        # read K/V that was never written: recompute it later instead (preemption). That in
+        # turn leaves the blocks it was filling unwritten, so repeat until nothing depends on them.
+        unwritten = {b.block_id for r in culprit_requests for b in self.kv_cache.uncomputed_blocks(r)}
+        while True:
+            dependents = [r for r in survivors
+                          if any(b.block_id in unwritten for b in self.kv_cache.computed_blocks(r))]
+            if not dependents:
+                break
+            for request in dependents:
+                unwritten.update(b.block_id for b in self.kv_cache.uncomputed_blocks(request))
+                survivors.remove(request)
+                self.scheduler.preempt(request, sched)   # frees its blocks, dropping unwritten ones
+        for request in culprit_requests:
+            logger.error("request %s failed in an engine step: %r", request.request_id, culprits[request.request_id])
+            outputs.append(self._fail_request(request, culprits[request.request_id]))
+        self.sampler.restore_rng_state(rng)
+        sampling, sampled = self._run_batch(survivors, sched) if survivors else ([], None)
+        return survivors, sampling, sampled
+
+    def _fail_request(self, request: Request, error: BaseException) -> RequestOutput:
+        """End one request with finish_reason "error" (its blocks are freed; unwritten ones
+        leave the prefix cache)."""
+        if not request.status.is_finished:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        self.requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finish_reason="error",
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             num_output_tokens=request.num_output_tokens, finish_message=f"{type(error).__name__}: {error}",
+                             _all_token_ids=request.token_ids)
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> RequestOutput:
         params = request.sampling_params

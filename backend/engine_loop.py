@@ -8,6 +8,9 @@ Thread ownership:
   block (the Triton adapter puts them on its own sender thread's queue).
 - When there is nothing to do the loop sleeps on a condition variable: an idle server
   uses no CPU.
+- ``drain`` (shutdown or model unload) refuses new submissions, lets what is in flight
+  finish until a deadline, then aborts the rest with a message: every request gets a
+  final output, none is left to a transport error.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backend.engine import Engine, EngineStats, load_tokenizer
-from backend.errors import QueueFullError
+from backend.errors import QueueFullError, ShuttingDownError
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 from backend.validation import Prompt, ValidatedPrompt
@@ -32,7 +35,8 @@ OutputCallback = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineStepError(RuntimeError):
-    """The engine failed while running a step; every in-flight request is ended with it."""
+    """A request failed inside an engine step: alone (the others of the step went on), or
+    together with every in-flight request when the failure could not be pinned on any."""
 
 
 @dataclass
@@ -64,6 +68,8 @@ class EngineLoop:
         self._inbox: deque[_Submit | _Abort] = deque()
         self._num_pending_submits = 0
         self._stopping = False
+        self._drain_deadline: float | None = None   # monotonic time; set once draining
+        self._idle = threading.Event()              # set while no request is in flight
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Loop-thread state.
         self._callbacks: dict[str, OutputCallback] = {}
@@ -85,8 +91,8 @@ class EngineLoop:
         successful return every outcome (outputs or an error) arrives through ``callback``."""
         validated = self.validator.validate(prompt, params)
         with self._cond:
-            if self._stopping:
-                raise QueueFullError("the engine is shutting down")
+            if self._stopping or self._drain_deadline is not None:
+                raise ShuttingDownError("server is shutting down; retry on another replica")
             # The engine's own queue length is read without its thread's cooperation; it is an
             # estimate, and the engine re-checks when the command is applied.
             waiting = self._num_pending_submits + len(self.engine.scheduler.waiting)
@@ -95,6 +101,7 @@ class EngineLoop:
                                      f"requests); retry later")
             self._inbox.append(_Submit(request_id, validated.prompt_token_ids, params, callback, time.monotonic()))
             self._num_pending_submits += 1
+            self._idle.clear()
             self._cond.notify()
         return validated
 
@@ -103,6 +110,24 @@ class EngineLoop:
         with self._cond:
             self._inbox.append(_Abort(request_id))
             self._cond.notify()
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new submissions from now on; requests in flight may finish for ``timeout``
+        seconds, after which the loop aborts them (finish_reason "abort" with a message)."""
+        with self._cond:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + timeout
+                logger.warning("draining: %d request(s) in flight, deadline in %.1f s",
+                               len(self._callbacks) + self._num_pending_submits, timeout)
+            self._cond.notify()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is in flight (True) or ``timeout`` passes (False)."""
+        return self._idle.wait(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight (each callback gets its final output) and end the thread."""
@@ -117,16 +142,23 @@ class EngineLoop:
         while True:
             with self._cond:
                 while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():
+                    self._idle.set()
                     self._cond.wait()
+                self._idle.clear()
                 commands = list(self._inbox)
                 self._inbox.clear()
                 self._num_pending_submits = 0
                 stopping = self._stopping
+                drain_expired = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
             for command in commands:
                 self._apply(command)
             if stopping:
-                self._abort_all()
+                self._abort_all("server is shutting down: generation stopped")
+                self._idle.set()
                 return
+            if drain_expired and self.engine.requests:
+                self._abort_all("server is shutting down: generation stopped at the drain deadline")
+                continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving: fail what was in flight, not the server
@@ -168,13 +200,16 @@ class EngineLoop:
                 del self._callbacks[request_id], self._arrival[request_id]
                 self._last_token_time.pop(request_id, None)
             try:
-                callback(output)
+                if output.finish_reason == "error":   # failed inside a step, alone: an error, not text
+                    callback(EngineStepError(f"request failed in an engine step: {output.finish_message}"))
+                else:
+                    callback(output)
             except Exception:
                 logger.exception("output callback of %s failed", request_id)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, message)
         self._deliver(self.engine.step())
         self.stats = self.engine.stats()
 

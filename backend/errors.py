@@ -1,8 +1,8 @@
 """Error types the engine raises at request submission.
 
 They map one-to-one onto Triton error codes in the serving layer:
-``InvalidRequestError`` -> INVALID_ARG, ``QueueFullError`` -> UNAVAILABLE,
-anything else -> INTERNAL.
+``InvalidRequestError`` -> INVALID_ARG, ``QueueFullError`` and ``ShuttingDownError``
+-> UNAVAILABLE, anything else -> INTERNAL.
 """
 
 from __future__ import annotations
@@ -18,3 +18,7 @@ class InvalidRequestError(ValueError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_waiting_requests`` already; retry later."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is draining (shutdown or model unload): no new requests; retry elsewhere."""

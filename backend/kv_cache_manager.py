@@ -112,6 +112,21 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
+        # Blocks past the computed tokens were registered when they were allocated, because
+        # the step's forward pass fills them; a request freed before that pass ran (preempted
+        # while the step was being scheduled, or failed in the step) leaves them unwritten,
+        # and their hashes must not outlive the missing content.
+        for block in blocks[request.num_computed_tokens // self.block_size:]:
+            if block.ref_count == 0:
+                self.pool.uncache(block)
+
+    def uncomputed_blocks(self, request: Request) -> list[KVBlock]:
+        """The request's blocks whose K/V this step was to write (not yet valid)."""
+        return self.blocks_of(request.request_id)[request.num_computed_tokens // self.block_size:]
+
+    def computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The request's blocks whose K/V it reads as already computed."""
+        return self.blocks_of(request.request_id)[:request.num_computed_tokens // self.block_size]
 
     def check_invariants(self, live_requests: dict[str, Request]) -> None:
         self.pool.check_invariants()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -126,6 +127,10 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
 
+        # Test hook: called with the requests of every batch about to be packed; raising in
+        # it simulates a step that fails (tests/test_step_failures.py).
+        self.fault_hook: Callable[[list[Request]], None] | None = None
+
         self.decode_graphs: DecodeGraphs | None = None
         # The reference attention syncs with the host (it loops over sequences), which a
         # CUDA graph cannot capture: graphs go with the Triton kernels only.
@@ -200,6 +205,8 @@ class ModelRunner:
                 block_ids: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Pack the step. Returns input ids, metadata and the requests that sample this step
         (those whose counter reaches the end of their token list), in logits-row order."""
+        if self.fault_hook is not None:
+            self.fault_hook(requests)
         bs = self.block_size
         host = self._host_np
         if self._inputs_copied is not None:

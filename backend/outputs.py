@@ -11,12 +11,13 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]            # generated this step (the delta)
     new_text: str                       # text released this step (the delta)
-    finish_reason: str | None           # None while running; "stop", "length" or "abort"
+    finish_reason: str | None           # None while running; "stop", "length", "abort" or "error"
     num_prompt_tokens: int
     num_cached_tokens: int              # prompt tokens served from the prefix cache
     num_output_tokens: int              # generated so far, this step's included
     new_logprobs: list[dict[int, float]] | None = None   # per new token, when asked
     stop_reason: str | int | None = None                 # the stop string or token id that ended it
+    finish_message: str | None = None                    # why, for "error" and server-side "abort"
     # The cumulative views (token_ids, text, logprobs) are read on demand from the request's
     # append-only lists and the detokenizer's text, up to this step's lengths: copying them
     # into every step's output would cost O(length) per token, O(n^2) over a generation.

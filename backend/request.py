@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"            # failed inside a step; RequestOutput.finish_message says why
 
     @property
     def is_finished(self) -> bool:

@@ -37,6 +37,17 @@ class Sampler:
             self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._device_generators[device]
 
+    def rng_state(self, requests: list[Request]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """Every generator a step over ``requests`` may draw from, with its state."""
+        generators = [self.generator, *self._device_generators.values(),
+                      *(r.generator for r in requests if r.generator is not None)]
+        return [(g, g.get_state()) for g in generators]
+
+    @staticmethod
+    def restore_rng_state(state: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for generator, saved in state:
+            generator.set_state(saved)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """One device-to-host copy of the step's token ids, except for rows with their own
         seed (each draws from its request's CPU generator, so that its tokens do not depend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,15 +13,45 @@ from backend.errors import InvalidRequestError
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_SEED = 2**63  # torch.Generator seeds are signed 64-bit
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+# Request size limits: what a request may carry before it reaches the engine. Named on server
+# start-up and in the README; requests beyond them get INVALID_ARG naming the field.
+MAX_SAMPLING_JSON_BYTES = 16 * 1024    # the sampling_parameters JSON text
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TEMPERATURE = 100.0                # beyond this every distribution is uniform to float32 anyway
+MAX_REPETITION_PENALTY = 100.0
+MAX_TOP_K = 2**31 - 1                  # values >= the vocabulary size mean "disabled"
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(float(value)))
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:   # an int too large for a float
+        return False
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """A user-supplied value for an error message: repr (which escapes control characters such
+    as NUL, which would otherwise cut the message short in transport), truncated."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -60,19 +91,37 @@ class SamplingParams:
         """Build from a JSON-like dict; unknown keys are an error, not silently ignored."""
         if not isinstance(values, dict):
             raise InvalidRequestError("sampling_parameters", "must be a JSON object")
-        unknown = sorted(set(values) - cls.field_names())
+        unknown = sorted(str(key) for key in set(values) - cls.field_names())
         if unknown:
-            raise InvalidRequestError(", ".join(unknown), f"unknown sampling parameter(s) (allowed: "
-                                                           f"{', '.join(sorted(cls.field_names()))})")
+            # Keys are echoed escaped (json.dumps turns NUL into \u0000) and truncated.
+            names = ", ".join(json.dumps(key)[1:-1][:40] for key in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise InvalidRequestError(names, f"unknown sampling parameter(s) (allowed: "
+                                             f"{', '.join(sorted(cls.field_names()))})")
         return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "SamplingParams":
+        """Parse the serving layer's ``sampling_parameters`` JSON text, bounded in size."""
+        if len(text) > MAX_SAMPLING_JSON_BYTES:
+            raise InvalidRequestError("sampling_parameters", f"is {len(text)} bytes; the limit is "
+                                                             f"{MAX_SAMPLING_JSON_BYTES}")
+        try:
+            values = json.loads(text)
+        except RecursionError:
+            raise InvalidRequestError("sampling_parameters", "JSON is nested too deeply") from None
+        except ValueError as exc:   # JSONDecodeError, invalid UTF-8, an integer of > 4300 digits
+            raise InvalidRequestError("sampling_parameters", f"malformed JSON: {exc}") from None
+        return cls.from_dict(values)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
     def _validate(self) -> None:
+        """Type and range of every field (ints within int64, floats finite), so that nothing
+        a client sends can fail later inside a step; numbers are stored as floats after."""
         def fail(name: str, allowed: str) -> None:
-            raise InvalidRequestError(name, f"must be {allowed}, got {getattr(self, name)!r}")
+            raise InvalidRequestError(name, f"must be {allowed}, got {show(getattr(self, name))}")
 
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "an integer >= 1")
@@ -80,30 +129,36 @@ class SamplingParams:
             fail("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            fail("temperature", "a number >= 0")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            fail("temperature", f"a number in [0, {MAX_TEMPERATURE:g}]")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            fail("top_k", "an integer >= 1, or 0 / -1 to disable")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            fail("top_k", f"an integer in [1, {MAX_TOP_K}], or 0 / -1 to disable")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "a number in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             fail("seed", "an integer in [0, 2**63) or null")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop", "a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "a list of integers >= 0")
+        if (not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)):
+            fail("stop", f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+                         f"of at most {MAX_STOP_STRING_CHARS} characters")
+        if any(not s.isascii() and not _is_encodable(s) for s in self.stop):
+            fail("stop", "valid Unicode (no lone surrogates)")
+        if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} integers >= 0")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", "a boolean")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail("repetition_penalty", "a number > 0")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            fail("repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}]")
         if not _is_number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
             fail("presence_penalty", "a number in [-2, 2]")
         if not _is_number(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             fail("frequency_penalty", "a number in [-2, 2]")
         if not _is_int(self.priority):
-            fail("priority", "an integer")
+            fail("priority", "an integer in [-2**63, 2**63)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             fail("logprobs", "an integer in [0, 20] or null")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            setattr(self, name, float(getattr(self, name)))

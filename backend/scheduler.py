@@ -165,6 +165,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
+    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Send a running request back to the waiting queue, to be recomputed (also used
+        when a failed step leaves it depending on K/V that was never written)."""
+        self._preempt(request, out)
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
@@ -174,7 +179,8 @@ class Scheduler:
         out.preempted.append(request)
         self.add_request(request)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance each scheduled request's counter by what this step computed."""
-        for request in out.requests:
+    def update_after_step(self, out: SchedulerOutput, computed: list[Request] | None = None) -> None:
+        """Advance each scheduled request's counter by what this step computed (``computed``:
+        the requests that did run, when a failure removed some from the step)."""
+        for request in out.requests if computed is None else computed:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]

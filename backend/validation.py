@@ -16,6 +16,11 @@ from backend.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
+# A text prompt is bounded in bytes before it is tokenized (tokenizing megabytes on the
+# submitting thread would stall every other submission): this many bytes per token of
+# max_model_len, which no real text of max_model_len tokens reaches.
+MAX_PROMPT_BYTES_PER_TOKEN = 32
+
 
 @dataclass(frozen=True)
 class ValidatedPrompt:
@@ -47,14 +52,33 @@ class RequestValidator:
         if blocks_needed > self.num_kv_blocks:
             raise InvalidRequestError("max_tokens", f"prompt + max_tokens needs {blocks_needed} KV blocks, "
                                                     f"the whole cache has {self.num_kv_blocks}")
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
         return ValidatedPrompt(ids, max_tokens)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return MAX_PROMPT_BYTES_PER_TOKEN * self.max_model_len
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
+            if len(prompt) > self.max_prompt_bytes:   # cheap first: a character is >= 1 byte
+                raise InvalidRequestError("prompt", f"is longer than {self.max_prompt_bytes} bytes")
+            try:
+                encoded = prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:   # lone surrogates, e.g. from a JSON "\ud800" escape
+                raise InvalidRequestError("prompt", f"is not valid Unicode ({exc.reason} at {exc.start})") from None
+            if len(encoded) > self.max_prompt_bytes:
+                raise InvalidRequestError("prompt", f"is longer than {self.max_prompt_bytes} bytes")
             ids = self.tokenizer(prompt).input_ids
         else:
+            if len(prompt) >= self.max_model_len:
+                raise InvalidRequestError("prompt", f"has {len(prompt)} token ids; max_model_len is "
+                                                    f"{self.max_model_len}, leaving no room to generate")
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise InvalidRequestError("prompt", "token ids must be integers")

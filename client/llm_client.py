@@ -43,6 +43,7 @@ class StreamChunk:
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_cached_tokens: int | None = None
+    finish_message: str | None = None   # why the server cut it short (shutdown drain)
 
 
 @dataclass
@@ -87,11 +88,13 @@ def parse_result(request_id: str, result: Any) -> StreamChunk:
     num_output = scalar("num_output_tokens")
     num_input = scalar("num_input_tokens")
     num_cached = scalar("num_cached_tokens")
+    message = scalar("finish_message")
     return StreamChunk(request_id=request_id, text=text.decode("utf-8") if text is not None else "",
                        num_output_tokens=int(num_output) if num_output is not None else 0, final=final,
                        finish_reason=finish.decode() if finish is not None else None,
                        num_input_tokens=int(num_input) if num_input is not None else None,
-                       num_cached_tokens=int(num_cached) if num_cached is not None else None)
+                       num_cached_tokens=int(num_cached) if num_cached is not None else None,
+                       finish_message=message.decode("utf-8", "replace") if message is not None else None)
 
 
 class _IdAwareStream(_InferStream):

@@ -83,6 +83,23 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+# Triton's exit timeout sits this far above the model's drain deadline: the drain ends every
+# stream itself, and Triton then needs a moment to finalize the model and close its endpoints.
+EXIT_TIMEOUT_MARGIN_S = 10
+
+
+def configured_drain_timeout(params: dict[str, str]) -> float:
+    """drain_timeout_s as the server will run it: an override, else config.pbtxt's value."""
+    if "drain_timeout_s" in params:
+        return float(params["drain_timeout_s"])
+    text = (MODEL_REPOSITORY / MODEL_NAME / "config.pbtxt").read_text()
+    match = re.search(r'key:\s*"drain_timeout_s"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    if match:
+        return float(match.group(1))
+    from backend.config import EngineConfig
+    return EngineConfig.drain_timeout_s
+
+
 def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
     """Copy the model repository, overriding engine parameters in config.pbtxt."""
     target = workdir / "model_repository"
@@ -99,8 +116,13 @@ def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
 
 
 class TritonServer:
-    """The real tritonserver as a child process (its own process group, so that stopping it
-    also stops the Python backend stubs it started)."""
+    """The real tritonserver as a child process, in its own process group (so that nothing it
+    started can outlive it).
+
+    ``stop()`` is a graceful shutdown: SIGTERM to tritonserver alone (not to the Python stubs,
+    which Triton itself must finalize); the model drains its streams for ``drain_timeout_s``
+    and Triton's exit timeout is set just above that. Only a server still alive after both
+    gets SIGKILL."""
 
     def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  params: dict[str, str] | None = None, log_file: Path | None = None) -> None:
@@ -109,6 +131,9 @@ class TritonServer:
         self.log_file = log_file
         self.process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
+        self.drain_file: Path | None = None
+        self.drain_timeout_s = configured_drain_timeout(self.params)
+        self.exit_timeout_s = int(self.drain_timeout_s + EXIT_TIMEOUT_MARGIN_S + 0.999)
 
     @property
     def http_url(self) -> str:
@@ -125,8 +150,9 @@ class TritonServer:
     def start(self, timeout: float = 300.0) -> "TritonServer":
         triton_dir, _ = _pytriton_dirs()
         repository = MODEL_REPOSITORY
+        self._workdir = tempfile.TemporaryDirectory(prefix="llm-server-")
+        self.drain_file = Path(self._workdir.name) / "drain"
         if self.params:
-            self._workdir = tempfile.TemporaryDirectory(prefix="llm-repo-")
             repository = repository_with_params(self.params, Path(self._workdir.name))
         cmd = [str(triton_dir / "bin" / "tritonserver"),
                f"--model-repository={repository}",
@@ -135,9 +161,11 @@ class TritonServer:
                "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-               "--exit-on-error=true", "--log-verbose=0"]
+               "--exit-on-error=true", "--log-verbose=0", f"--exit-timeout-secs={self.exit_timeout_s}"]
         out = open(self.log_file, "w") if self.log_file else None
-        self.process = subprocess.Popen(cmd, env=server_environment(), stdout=out, stderr=subprocess.STDOUT if out else None,
+        env = server_environment()
+        env["LLM_DRAIN_FILE"] = str(self.drain_file)   # read by model_repository/llm/1/model.py
+        self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True)
         try:
             self.wait_ready(timeout)
@@ -162,9 +190,32 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"model {MODEL_NAME!r} not ready after {timeout:.0f}s")
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def drain(self) -> bool:
+        """Ask the model to drain (new requests get UNAVAILABLE, those in flight finish or are
+        ended at drain_timeout_s) and wait until nothing is in flight. True when it drained."""
+        if self.process is None or self.process.poll() is not None or self.drain_file is None:
+            return False
+        self.drain_file.touch()
+        done = Path(str(self.drain_file) + ".done")
+        deadline = time.monotonic() + self.drain_timeout_s + EXIT_TIMEOUT_MARGIN_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if done.exists():
+                return True
+            time.sleep(0.1)
+        return False
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_file is not None and self.drain_file.exists()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Graceful: drain the model first (Triton would otherwise start unloading with streams
+        still open), then SIGTERM to tritonserver, which unloads the model and exits. SIGKILL
+        to the whole group after ``timeout`` (default: Triton's exit timeout + 10 s)."""
+        timeout = self.exit_timeout_s + 10 if timeout is None else timeout
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)   # tritonserver unloads models, then exits
+            self.drain()
+            self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

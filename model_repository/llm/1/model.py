@@ -3,17 +3,25 @@ and engine outputs into Triton responses. Nothing else lives here.
 
 Threads: Triton's ``execute`` parses, validates and submits, then returns at once; the
 engine runs on the EngineLoop thread; responses are sent by one sender thread (``send``
-is a blocking round trip to the server); a poller thread checks cancellation and pushes
-engine statistics into Triton metrics.
+is a blocking round trip to the server); a poller thread checks cancellation, pushes
+engine statistics into Triton metrics and notices when Triton starts unloading the model.
+
+Shutdown: Triton does not call ``finalize`` while a decoupled model still has open
+response senders, and it starts unloading (on SIGTERM or an unload request) without
+telling the model. The poller sees the model turn not-ready and starts the drain: new
+requests get UNAVAILABLE, those in flight may finish for ``drain_timeout_s``, the rest end
+with finish_reason "abort" and a ``finish_message``. Then Triton can finalize.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -27,11 +35,16 @@ import triton_python_backend_utils as pb_utils
 PROJECT_ROOT = Path(os.environ.get("LLM_PROJECT_ROOT", Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams
+from backend import (Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
+                     ShuttingDownError)
 from backend.engine_loop import EngineLoop
 from server.metrics import EngineMetrics
 
 POLL_INTERVAL_S = 0.1
+LOCK_TIMEOUT_S = 2.0
+# Set by the launcher (server/launch.py): when this file appears the model drains, and it
+# writes DRAIN_FILE + ".done" once nothing is in flight; only then is tritonserver signalled.
+DRAIN_FILE_ENV = "LLM_DRAIN_FILE"
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_num_cached_tokens", "return_logprobs")
 logger = logging.getLogger("llm")
@@ -54,12 +67,22 @@ class _Stream:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def mark_done(self) -> None:
-        with self.lock:
-            self.done = True
+        # The lock is held across is_cancelled(), which can hang while Triton shuts down;
+        # a final response must still go out then (the poller makes no new calls by that time).
+        acquired = self.lock.acquire(timeout=LOCK_TIMEOUT_S)
+        self.done = True
+        if acquired:
+            self.lock.release()
+        else:
+            logger.warning("%s: a cancellation check is stuck; sending its final response anyway",
+                           self.request_id)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        # `kill -USR1 <stub pid>` prints every thread's Python stack to the server log: the
+        # first thing to look at when a stream hangs.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("the llm model must use the decoupled transaction policy")
@@ -69,12 +92,16 @@ class TritonPythonModel:
             config.model = str(PROJECT_ROOT / config.model)
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine).start()
-        self.metrics = EngineMetrics(pb_utils, model=args["model_name"], version=args["model_version"])
+        self.model_name, self.model_version = args["model_name"], args["model_version"]
+        self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._outbox: queue.Queue[tuple[_Stream, RequestOutput | BaseException] | None] = queue.Queue()
         self._stop = threading.Event()
+        self._seen_ready = False
+        self._drain_file = os.environ.get(DRAIN_FILE_ENV) or None
+        self._drain_reported = False
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._poller = threading.Thread(target=self._poll_loop, name="llm-poller", daemon=True)
         self._sender.start()
@@ -88,7 +115,7 @@ class TritonPythonModel:
                 self._submit(request, sender)
             except InvalidRequestError as exc:
                 self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-            except QueueFullError as exc:
+            except (QueueFullError, ShuttingDownError) as exc:
                 self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
             except Exception as exc:  # noqa: BLE001 - one bad request must not disturb the rest
                 logger.exception("failed to submit a request")
@@ -138,9 +165,11 @@ class TritonPythonModel:
                 self._streams.pop(stream.request_id, None)
             stream.mark_done()
         if isinstance(result, BaseException):
-            code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, QueueFullError) else
+            code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, (QueueFullError, ShuttingDownError)) else
                     pb_utils.TritonError.INVALID_ARG if isinstance(result, InvalidRequestError) else
                     pb_utils.TritonError.INTERNAL)
+            if code == pb_utils.TritonError.INTERNAL:
+                self.metrics.count_finished("error")
             self._send_error(stream.sender, str(result), code)
             return
         if result.finish_reason == "abort" and stream.cancelled:
@@ -163,8 +192,11 @@ class TritonPythonModel:
             prefix = "" if flags["exclude_input_in_output"] else stream.prompt_text
             text, num_output, logprobs = prefix + out.text, len(out.token_ids), out.logprobs
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        if flags["return_finish_reason"] and out.finished:
+        # A response the server cut short always says so, asked or not.
+        if out.finished and (flags["return_finish_reason"] or out.finish_message):
             tensors.append(pb_utils.Tensor("finish_reason", np.array([out.finish_reason.encode()], dtype=np.object_)))
+        if out.finished and out.finish_message:
+            tensors.append(pb_utils.Tensor("finish_message", np.array([out.finish_message.encode()], dtype=np.object_)))
         if flags["return_num_input_tokens"]:
             tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
         if flags["return_num_output_tokens"]:
@@ -178,7 +210,9 @@ class TritonPythonModel:
 
     @staticmethod
     def _send_error(sender: Any, message: str, code: Any) -> None:
-        error = pb_utils.TritonError(message, code)
+        # A NUL would cut the message short in transport (an empty gRPC error message reads as
+        # success to tritonclient): escape it, and never send an empty message.
+        error = pb_utils.TritonError(message.replace("\x00", "\\x00") or "error", code)
         sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # ---- poller thread ----------------------------------------------------------------------
@@ -187,6 +221,10 @@ class TritonPythonModel:
             with self._lock:
                 streams = list(self._streams.values())
             for stream in streams:
+                if self.loop.draining:
+                    # While Triton unloads the model, is_cancelled() may never return; a
+                    # drain ends every stream by its deadline anyway.
+                    break
                 try:
                     with stream.lock:
                         newly_cancelled = not stream.done and not stream.cancelled and stream.sender.is_cancelled()
@@ -199,6 +237,32 @@ class TritonPythonModel:
                 self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size)
             except Exception:  # noqa: BLE001 - metrics must never take the server down
                 logger.exception("metrics update failed")
+            if not self.loop.draining and (self._drain_requested() or self._unloading()):
+                self.loop.drain(self.engine.config.drain_timeout_s)
+            if (self.loop.draining and not self._drain_reported and self.loop.wait_idle(0)
+                    and self._outbox.empty() and not self._streams):
+                self._report_drained()
+
+    def _drain_requested(self) -> bool:
+        return self._drain_file is not None and os.path.exists(self._drain_file)
+
+    def _report_drained(self) -> None:
+        self._drain_reported = True
+        logger.warning("drained: no request in flight")
+        if self._drain_file is not None:
+            Path(self._drain_file + ".done").touch()
+
+    def _unloading(self) -> bool:
+        """Triton marks the model not-ready as soon as it starts unloading it (SIGTERM, or an
+        unload through the repository API); nothing else tells a decoupled model. Not-ready
+        before it was ever ready is still loading."""
+        try:
+            ready = pb_utils.is_model_ready(model_name=self.model_name, model_version=self.model_version)
+        except Exception as exc:  # noqa: BLE001 - a stopping server answers "Server not ready"
+            logger.warning("model readiness check failed: %s", exc)
+            ready = False
+        self._seen_ready = self._seen_ready or ready
+        return self._seen_ready and not ready
 
     def finalize(self) -> None:
         self._stop.set()
@@ -263,8 +327,4 @@ def _sampling_params(request: Any) -> SamplingParams:
     raw = tensor.as_numpy().reshape(-1)
     if raw.size != 1:
         raise InvalidRequestError("sampling_parameters", "must hold exactly one JSON string")
-    try:
-        values = json.loads(raw[0])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError("sampling_parameters", f"malformed JSON: {exc}")
-    return SamplingParams.from_dict(values)
+    return SamplingParams.from_json(raw[0])

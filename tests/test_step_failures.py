@@ -1,0 +1,153 @@
+"""A step that fails is pinned on the request(s) responsible: they end with finish_reason
+"error", every other request of the step goes on with exactly the tokens it would have
+produced, and no KV block (or stale prefix-cache entry) is left behind."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.engine_loop import EngineLoop, EngineStepError
+from backend.request import Request
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    # Small chunks, so that prompts take several steps and requests share steps in many ways.
+    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=48))
+
+
+@pytest.fixture(autouse=True)
+def no_fault(engine: Engine):
+    engine.runner.fault_hook = None
+    yield
+    engine.runner.fault_hook = None
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
+
+
+def fail_when(request_id: str, min_output_tokens: int = 0):
+    """A fault hook: any batch holding ``request_id`` once it has generated that many tokens
+    raises, as a request with a poisoned parameter would."""
+    def hook(requests: list[Request]) -> None:
+        for request in requests:
+            if request.request_id == request_id and request.num_output_tokens >= min_output_tokens:
+                raise OverflowError(f"poisoned request {request_id}")
+    return hook
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], params: dict[str, SamplingParams]) -> dict[str, object]:
+    """All requests submitted at once, stepped to completion: request id -> final output."""
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params[request_id])
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def workload(prose_ids: list[int]) -> tuple[dict[str, list[int]], dict[str, SamplingParams]]:
+    prompts = {"a": prose_ids[:30], "b": prose_ids[40:45], "bad": prose_ids[100:160],
+               "c": prose_ids[200:290], "seeded": prose_ids[300:320]}
+    params = {name: SamplingParams(max_tokens=12, **GREEDY) for name in prompts}
+    params["seeded"] = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    return prompts, params
+
+
+@pytest.mark.parametrize("fail_after", [0, 3], ids=["fails-in-prefill", "fails-mid-decode"])
+def test_a_failing_request_is_isolated_and_the_others_tokens_are_unchanged(engine: Engine, prose_ids: list[int],
+                                                                          fail_after: int) -> None:
+    prompts, params = workload(prose_ids)
+    clean = run(engine, {k: v for k, v in prompts.items() if k != "bad"}, params)
+    steps_before = engine.num_steps
+
+    engine.runner.fault_hook = fail_when("bad", fail_after)
+    faulty = run(engine, prompts, params)
+
+    assert faulty["bad"].finish_reason == "error"
+    assert "poisoned request bad" in faulty["bad"].finish_message
+    assert len(faulty["bad"].token_ids) == fail_after
+    for name in clean:
+        assert faulty[name].finish_reason == "length", name
+        assert faulty[name].token_ids == clean[name].token_ids, f"{name}'s tokens changed by the failure"
+    assert engine.num_steps > steps_before
+
+
+def test_two_culprits_in_one_step(engine: Engine, prose_ids: list[int]) -> None:
+    prompts, params = workload(prose_ids)
+    clean = run(engine, {k: v for k, v in prompts.items() if k not in ("bad", "c")}, params)
+
+    def hook(requests: list[Request]) -> None:
+        fail_when("bad")(requests)
+        fail_when("c", 2)(requests)
+    engine.runner.fault_hook = hook
+    faulty = run(engine, prompts, params)
+    assert faulty["bad"].finish_reason == faulty["c"].finish_reason == "error"
+    for name in clean:
+        assert faulty[name].token_ids == clean[name].token_ids, name
+
+
+def test_a_request_sharing_blocks_the_culprit_was_filling_is_recomputed(engine: Engine,
+                                                                        prose_ids: list[int]) -> None:
+    """``twin`` is admitted in the same step as ``bad`` and takes prefix hits on the blocks
+    ``bad`` fills in that step; when ``bad`` fails, those blocks are never written, so ``twin``
+    must not read them (it is preempted and recomputed) and they must leave the prefix cache."""
+    engine.kv_cache.pool.reset_prefix_cache()
+    shared = prose_ids[500:532]                       # two full blocks
+    prompts = {"bad": shared + prose_ids[600:604], "twin": shared + prose_ids[700:708]}
+    params = {name: SamplingParams(max_tokens=8, **GREEDY) for name in prompts}
+    clean = run(engine, {"twin": prompts["twin"]}, params)
+    engine.kv_cache.pool.reset_prefix_cache()
+
+    engine.runner.fault_hook = fail_when("bad")
+    preemptions = engine.scheduler.num_preemptions
+    faulty = run(engine, prompts, params)
+    assert faulty["bad"].finish_reason == "error"
+    assert faulty["twin"].token_ids == clean["twin"].token_ids
+    assert engine.scheduler.num_preemptions == preemptions + 1, "twin should have been recomputed"
+
+
+def test_a_failure_no_request_explains_still_fails_the_step(engine: Engine, prose_ids: list[int]) -> None:
+    def hook(requests: list[Request]) -> None:
+        if len(requests) > 1:
+            raise RuntimeError("only fails for a whole batch")
+    engine.runner.fault_hook = hook
+    engine.add_request("x", prose_ids[:10], SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_request("y", prose_ids[20:30], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(RuntimeError, match="whole batch"):
+        engine.step()
+    engine.runner.fault_hook = None
+    for request_id in ("x", "y"):
+        engine.abort(request_id)
+    engine.step()
+
+
+def test_the_loop_sends_the_culprit_an_error_and_the_others_their_text(engine: Engine, prose_ids: list[int]) -> None:
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    expected = engine.generate([prose_ids[:20]], params)[0].token_ids
+    engine.runner.fault_hook = fail_when("bad", 2)
+    loop = EngineLoop(engine).start()
+    try:
+        good, bad = queue.Queue(), queue.Queue()
+        loop.submit("bad", prose_ids[50:70], params, bad.put)
+        loop.submit("good", prose_ids[:20], params, good.put)
+        bad_items = [bad.get(timeout=60) for _ in range(3)]
+        assert isinstance(bad_items[-1], EngineStepError) and "poisoned" in str(bad_items[-1])
+        tokens = []
+        while True:
+            item = good.get(timeout=60)
+            assert not isinstance(item, BaseException), item
+            tokens += item.new_token_ids
+            if item.finished:
+                break
+        assert tokens == expected
+    finally:
+        loop.stop()
