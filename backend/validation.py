@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 from backend.errors import InvalidRequestError
 from backend.kv_cache_manager import cdiv
-from backend.sampling_params import SamplingParams
+from backend.sampling_params import (MAX_SAMPLING_JSON_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                     MAX_STOP_TOKEN_IDS, SamplingParams)
 
 Prompt = str | Sequence[int]
 
@@ -57,6 +58,14 @@ class RequestValidator:
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
         return ValidatedPrompt(ids, max_tokens)
+
+    def describe_limits(self) -> str:
+        """The request bounds, for the server's start-up log (the README lists the same)."""
+        return (f"request limits: prompt <= {self.max_model_len - 1} tokens and <= {self.max_prompt_bytes} bytes; "
+                f"prompt + max_tokens <= {self.max_model_len} tokens (max_model_len) and <= "
+                f"{self.num_kv_blocks * self.block_size} (the whole KV cache); stop <= {MAX_STOP_STRINGS} strings "
+                f"of <= {MAX_STOP_STRING_CHARS} chars; stop_token_ids <= {MAX_STOP_TOKEN_IDS}; "
+                f"sampling_parameters JSON <= {MAX_SAMPLING_JSON_BYTES} bytes")
 
     @property
     def max_prompt_bytes(self) -> int:

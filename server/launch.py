@@ -20,6 +20,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -86,6 +87,7 @@ def server_environment() -> dict[str, str]:
 # Triton's exit timeout sits this far above the model's drain deadline: the drain ends every
 # stream itself, and Triton then needs a moment to finalize the model and close its endpoints.
 EXIT_TIMEOUT_MARGIN_S = 10
+SUPERVISE_INTERVAL_S = 0.5
 
 
 def configured_drain_timeout(params: dict[str, str]) -> float:
@@ -125,13 +127,20 @@ class TritonServer:
     gets SIGKILL."""
 
     def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                 params: dict[str, str] | None = None, log_file: Path | None = None) -> None:
+                 params: dict[str, str] | None = None, log_file: Path | None = None,
+                 supervise: bool = False) -> None:
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.params = params or {}
         self.log_file = log_file
         self.process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
         self.drain_file: Path | None = None
+        self.supervise = supervise
+        self.restarts = 0
+        self._repository = MODEL_REPOSITORY
+        self._stopping = threading.Event()
+        self._lifecycle = threading.Lock()   # restart vs stop
+        self._supervisor: threading.Thread | None = None
         self.drain_timeout_s = configured_drain_timeout(self.params)
         self.exit_timeout_s = int(self.drain_timeout_s + EXIT_TIMEOUT_MARGIN_S + 0.999)
 
@@ -148,37 +157,98 @@ class TritonServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
-        triton_dir, _ = _pytriton_dirs()
-        repository = MODEL_REPOSITORY
         self._workdir = tempfile.TemporaryDirectory(prefix="llm-server-")
         self.drain_file = Path(self._workdir.name) / "drain"
+        self._repository = MODEL_REPOSITORY
         if self.params:
-            repository = repository_with_params(self.params, Path(self._workdir.name))
+            self._repository = repository_with_params(self.params, Path(self._workdir.name))
+        self._spawn()
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        if self.supervise:
+            self._supervisor = threading.Thread(target=self._supervise, name="triton-supervisor", daemon=True)
+            self._supervisor.start()
+        return self
+
+    def _spawn(self) -> None:
+        triton_dir, _ = _pytriton_dirs()
         cmd = [str(triton_dir / "bin" / "tritonserver"),
-               f"--model-repository={repository}",
+               f"--model-repository={self._repository}",
                f"--backend-directory={backend_directory()}",
                "--http-address=127.0.0.1", f"--http-port={self.http_port}",
                "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
                "--exit-on-error=true", "--log-verbose=0", f"--exit-timeout-secs={self.exit_timeout_s}"]
-        out = open(self.log_file, "w") if self.log_file else None
+        out = open(self.log_file, "a" if self.restarts else "w") if self.log_file else None
         env = server_environment()
         env["LLM_DRAIN_FILE"] = str(self.drain_file)   # read by model_repository/llm/1/model.py
+        env["LLM_SERVER_RESTARTS"] = str(self.restarts)  # exported as llm_server_restarts_total
         self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True)
+
+    def stub_alive(self) -> bool:
+        """Is a Python backend stub of this server running? (Triton 2.51 neither restarts a
+        stub that died nor ends the streams it had open; see docs/reliability.md.)"""
+        if self.process is None:
+            return False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+            # rest: state, ppid, pgrp, ...
+            if name.startswith("triton_python_b") and rest[0] != "Z" and int(rest[2]) == self.process.pid:
+                return True
+        return False
+
+    def _supervise(self) -> None:
+        """Restart the server when its stub or the server itself dies. Killing the server
+        ends the dead stub's streams at once (a transport error) instead of leaving them hung."""
+        while not self._stopping.wait(SUPERVISE_INTERVAL_S):
+            if self.process.poll() is None and self.stub_alive():
+                continue
+            with self._lifecycle:
+                if self._stopping.is_set():
+                    return
+                reason = (f"tritonserver exited with {self.process.returncode}" if self.process.poll() is not None
+                          else "the Python backend stub died")
+                print(f"supervisor: {reason}; restarting tritonserver", file=sys.stderr, flush=True)
+                self._kill_group()
+                self.restarts += 1
+                self._spawn()
+            try:
+                self._wait_ready(300)
+                print(f"supervisor: model '{MODEL_NAME}' is ready again (restart {self.restarts})",
+                      file=sys.stderr, flush=True)
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"supervisor: restart failed: {exc}", file=sys.stderr, flush=True)
+
+    def _kill_group(self) -> None:
+        if self.process is None:
+            return
         try:
-            self.wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def wait_ready(self, timeout: float) -> None:
+        """Until the model answers ready. Under supervision a server that died is being
+        restarted, so that is waited out too."""
+        self._wait_ready(timeout, through_restarts=self.supervise and self._supervisor is not None)
+
+    def _wait_ready(self, timeout: float, through_restarts: bool = False) -> None:
         deadline = time.monotonic() + timeout
         url = f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready"
         while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
+            if through_restarts and self._stopping.is_set():
+                raise RuntimeError("the server is being stopped")
+            if not through_restarts and self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready"
                                    + (f"; see {self.log_file}" if self.log_file else ""))
             try:
@@ -213,21 +283,18 @@ class TritonServer:
         still open), then SIGTERM to tritonserver, which unloads the model and exits. SIGKILL
         to the whole group after ``timeout`` (default: Triton's exit timeout + 10 s)."""
         timeout = self.exit_timeout_s + 10 if timeout is None else timeout
-        if self.process is not None and self.process.poll() is None:
-            self.drain()
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        if self.process is not None:
-            # A tritonserver that died on its own leaves its Python stubs (same process group)
-            # running: end whatever is left of the group.
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._stopping.set()
+        with self._lifecycle:   # not in the middle of a restart
+            if self.process is not None and self.process.poll() is None:
+                if self.stub_alive():
+                    self.drain()
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Whatever is left of the group (e.g. the stubs of a server that died on its own).
+            self._kill_group()
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
@@ -248,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override an engine parameter of config.pbtxt")
     args = parser.parse_args(argv)
     params = dict(p.split("=", 1) for p in args.param)
-    server = TritonServer(args.http_port, args.grpc_port, args.metrics_port, params)
+    server = TritonServer(args.http_port, args.grpc_port, args.metrics_port, params, supervise=True)
     stop_requested = False
 
     def request_stop(signum: int, frame: object) -> None:
@@ -260,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     print(f"model '{MODEL_NAME}' is ready: HTTP {server.http_url}, gRPC {server.grpc_url}, "
           f"metrics {server.metrics_url}  (Ctrl-C stops)", flush=True)
-    while not stop_requested and server.process.poll() is None:
+    while not stop_requested:   # the supervisor restarts a server or stub that dies
         time.sleep(0.2)
-    code = server.process.poll()
+    print(f"stopping: draining requests in flight (up to {server.drain_timeout_s:g} s)", flush=True)
     server.stop()
-    print("tritonserver stopped", flush=True)
-    return 0 if code is None else code
+    print(f"tritonserver stopped ({server.restarts} restart(s) while it ran)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -71,6 +71,14 @@ class EngineMetrics:
         self._families[name] = family(name=name, description=description, kind=getattr(family, kind))
         return self._families[name]
 
+    def count_server_restarts(self, restarts: int) -> None:
+        """Counter of supervisor restarts of this server (a dead stub or server), set once at start."""
+        family = self._family("llm_server_restarts_total",
+                              "Times the launcher restarted tritonserver because it or its model stub died", "COUNTER")
+        self._restarts = family.Metric(labels=self._labels)
+        if restarts:
+            self._restarts.increment(restarts)
+
     def count_finished(self, reason: str) -> None:
         if reason not in self._finished:
             self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})

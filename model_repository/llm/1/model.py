@@ -92,8 +92,11 @@ class TritonPythonModel:
             config.model = str(PROJECT_ROOT / config.model)
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine).start()
+        print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
         self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
+        # The launcher's supervisor restarts the server when the stub dies and says how often.
+        self.metrics.count_server_restarts(int(os.environ.get("LLM_SERVER_RESTARTS", "0")))
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()

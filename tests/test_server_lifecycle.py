@@ -1,0 +1,142 @@
+"""Shutdown and crash recovery of the real server: SIGTERM to the launcher drains every open
+stream to a final response and leaves no process behind; a Python stub killed with SIGKILL
+ends its streams with an error within seconds and the supervisor brings the model back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from client import LLMClient, LLMError
+from loadtest.server_metrics import scrape
+from server.launch import REPO_ROOT, TritonServer, free_ports
+
+pytestmark = pytest.mark.server
+
+DRAIN_TIMEOUT_S = 8.0
+
+
+def _processes_in_group(pgid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _tritonserver_pid(http_port: int) -> int | None:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"tritonserver") and f"--http-port={http_port}".encode() in args:
+            return int(cmdline.parent.name)
+    return None
+
+
+class StreamRecord:
+    """One streaming request on a thread: tokens, how it ended, and when."""
+
+    def __init__(self, client: LLMClient, max_tokens: int) -> None:
+        self.tokens = 0
+        self.final = None
+        self.error: Exception | None = None
+        self.ended_at: float | None = None
+        self.first_token = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client, max_tokens), daemon=True)
+        self._thread.start()
+
+    def _run(self, client: LLMClient, max_tokens: int) -> None:
+        try:
+            for chunk in client.stream("Tell me a long story about a lighthouse.", max_tokens=max_tokens,
+                                       ignore_eos=True, temperature=0.0):
+                self.tokens += chunk.num_output_tokens
+                if self.tokens:
+                    self.first_token.set()
+                if chunk.final:
+                    self.final = chunk
+        except Exception as exc:  # noqa: BLE001 - recorded and asserted on
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_token.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def test_sigterm_drains_every_open_stream_and_leaves_no_process(model_dir: Path, tmp_path: Path) -> None:
+    http, grpc, metrics = free_ports(3)
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "server.launch", f"--http-port={http}", f"--grpc-port={grpc}",
+                                 f"--metrics-port={metrics}", f"--param=drain_timeout_s={DRAIN_TIMEOUT_S:g}"],
+                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        TritonServer(http, grpc, metrics).wait_ready(300)
+        server_pid = _tritonserver_pid(http)
+        assert server_pid is not None
+        pgid = os.getpgid(server_pid)
+        client = LLMClient(f"127.0.0.1:{grpc}")
+        streams = [StreamRecord(client, 40 if i < 2 else 5000) for i in range(8)]
+        for stream in streams:
+            assert stream.first_token.wait(60) and stream.error is None, stream.error
+
+        sigterm_at = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with pytest.raises(LLMError, match="shutting down"):   # no new work once draining
+            client.generate("Are you still taking requests?", max_tokens=4)
+        for stream in streams:
+            stream.join(DRAIN_TIMEOUT_S + 10)
+
+        for i, stream in enumerate(streams):
+            assert stream.error is None, f"stream {i} got an error instead of a final response: {stream.error}"
+            assert stream.final is not None, f"stream {i} ended without a final response"
+            assert stream.ended_at - sigterm_at <= DRAIN_TIMEOUT_S + 2.0, f"stream {i} ended late"
+        for stream in streams[2:]:
+            assert stream.final.finish_reason == "abort"
+            assert "shutting down" in stream.final.finish_message
+        assert launcher.wait(30) == 0
+        assert time.monotonic() - sigterm_at <= DRAIN_TIMEOUT_S + 15
+        assert _processes_in_group(pgid) == [], "tritonserver or its stub outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+
+
+def test_a_killed_stub_ends_its_streams_and_the_server_recovers(model_dir: Path, tmp_path: Path) -> None:
+    server = TritonServer(*free_ports(3), log_file=tmp_path / "server.log", supervise=True).start()
+    try:
+        client = LLMClient(server.grpc_url)
+        streams = [StreamRecord(client, 5000) for _ in range(3)]
+        for stream in streams:
+            assert stream.first_token.wait(60) and stream.error is None
+        stubs = [pid for pid in _processes_in_group(server.process.pid) if pid != server.process.pid]
+        assert stubs, "no Python backend stub found"
+        killed_at = time.monotonic()
+        for pid in stubs:
+            os.kill(pid, signal.SIGKILL)
+        for stream in streams:
+            stream.join(15)
+            assert stream.error is not None, "a stream of the dead stub did not end with an error"
+            assert stream.ended_at - killed_at <= 10.0
+        server.wait_ready(300)
+        completion = client.generate("Back again?", max_tokens=5, temperature=0.0)
+        assert completion.num_output_tokens == 5
+        restarts = [v for k, v in scrape(server.metrics_url).items() if k.startswith("llm_server_restarts_total")]
+        assert restarts == [1]
+    finally:
+        server.stop()
