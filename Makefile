@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup model serve test loadtest loadtest-compare clean-model
+.PHONY: setup model serve test loadtest loadtest-compare soak clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -50,6 +50,12 @@ loadtest: setup model
 # The same seeded mix against batching=continuous and batching=static (servers started for it).
 loadtest-compare: setup model
 	$(PY) -m loadtest compare $(LOADTEST_OPTS)
+
+# Soak (docs/reliability.md): the cpu mix at a steady rate with cancels and bad requests for
+# DURATION (default 30m) against a supervised server it starts; RSS, KV invariants and every
+# request's outcome go to runs/<time>-soak/soak.md. Optional: RATE=2.0 (requests/s).
+soak: setup model
+	$(PY) -m loadtest.soak $(if $(DURATION),--duration $(DURATION)) $(if $(RATE),--rate $(RATE))
 
 clean-model:
 	rm -rf $(MODEL_DIR)
