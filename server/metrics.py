@@ -71,6 +71,14 @@ class EngineMetrics:
         self._families[name] = family(name=name, description=description, kind=getattr(family, kind))
         return self._families[name]
 
+    def set_draining(self, draining: bool) -> None:
+        """1 from the start of a drain (shutdown/unload): a readiness probe turns not-ready on it."""
+        if not hasattr(self, "_draining"):
+            family = self._family("llm_draining", "1 while the model drains for shutdown (refuses new requests)",
+                                  "GAUGE")
+            self._draining = family.Metric(labels=self._labels)
+        self._draining.set(1 if draining else 0)
+
     def count_server_restarts(self, restarts: int) -> None:
         """Counter of supervisor restarts of this server (a dead stub or server), set once at start."""
         family = self._family("llm_server_restarts_total",

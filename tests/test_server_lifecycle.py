@@ -17,6 +17,7 @@ import pytest
 from client import LLMClient, LLMError
 from loadtest.server_metrics import scrape
 from server.launch import REPO_ROOT, TritonServer, free_ports
+from server.ready import is_ready
 
 pytestmark = pytest.mark.server
 
@@ -93,9 +94,12 @@ def test_sigterm_drains_every_open_stream_and_leaves_no_process(model_dir: Path,
         for stream in streams:
             assert stream.first_token.wait(60) and stream.error is None, stream.error
 
+        metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        assert is_ready(f"127.0.0.1:{http}", metrics_url) == (True, "ready")
         sigterm_at = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         time.sleep(1.0)
+        assert is_ready(f"127.0.0.1:{http}", metrics_url) == (False, "draining")   # the readiness probe
         with pytest.raises(LLMError, match="shutting down"):   # no new work once draining
             client.generate("Are you still taking requests?", max_tokens=4)
         for stream in streams:

@@ -6,11 +6,12 @@ engine runs on the EngineLoop thread; responses are sent by one sender thread (`
 is a blocking round trip to the server); a poller thread checks cancellation, pushes
 engine statistics into Triton metrics and notices when Triton starts unloading the model.
 
-Shutdown: Triton does not call ``finalize`` while a decoupled model still has open
-response senders, and it starts unloading (on SIGTERM or an unload request) without
-telling the model. The poller sees the model turn not-ready and starts the drain: new
-requests get UNAVAILABLE, those in flight may finish for ``drain_timeout_s``, the rest end
-with finish_reason "abort" and a ``finish_message``. Then Triton can finalize.
+Shutdown (docs/reliability.md): Triton does not call ``finalize`` while a decoupled model
+still has open response senders, and it starts unloading without telling the model. So the
+poller drains when the launcher's drain file appears (before tritonserver is signalled) or,
+as a fallback, when the model turns not-ready: new requests get UNAVAILABLE, those in flight
+may finish for ``drain_timeout_s``, the rest end with finish_reason "abort" and a
+``finish_message``. Then Triton can finalize.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class TritonPythonModel:
         self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
         # The launcher's supervisor restarts the server when the stub dies and says how often.
         self.metrics.count_server_restarts(int(os.environ.get("LLM_SERVER_RESTARTS", "0")))
+        self.metrics.set_draining(False)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -242,6 +244,7 @@ class TritonPythonModel:
                 logger.exception("metrics update failed")
             if not self.loop.draining and (self._drain_requested() or self._unloading()):
                 self.loop.drain(self.engine.config.drain_timeout_s)
+                self.metrics.set_draining(True)
             if (self.loop.draining and not self._drain_reported and self.loop.wait_idle(0)
                     and self._outbox.empty() and not self._streams):
                 self._report_drained()
