@@ -135,17 +135,19 @@ class Engine:
 
         If the forward pass or sampling raises, the requests responsible are found and failed
         (finish_reason "error"); the others run again and get the tokens they would have got.
-        Raises only when the failure cannot be pinned on any request."""
+        A failure no single request explains fails every request of the step (not the queue)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        # The generators as they were before this step: a failed step may have drawn from some.
+        rng = self.sampler.rng_state(sched.requests)
         computed = sched.requests
         try:
             sampling, sampled = self._run_batch(computed, sched)
-        except Exception as exc:  # noqa: BLE001 - isolated below, re-raised if it cannot be
+        except Exception as exc:  # noqa: BLE001 - isolated below
             logger.warning("engine step failed (%r); isolating the requests responsible", exc)
-            computed, sampling, sampled = self._isolate_failure(sched, exc, outputs)
+            computed, sampling, sampled = self._isolate_failure(sched, exc, rng, outputs)
         for request in computed:
             self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
                                                    request.num_prompt_tokens - request.num_computed_tokens))
@@ -168,13 +170,12 @@ class Engine:
         logits = self.runner.execute(input_ids, meta)
         return sampling, (self.sampler(logits, sampling) if sampling else None)
 
-    def _isolate_failure(self, sched: SchedulerOutput, error: Exception, outputs: list[RequestOutput],
+    def _isolate_failure(self, sched: SchedulerOutput, error: Exception, rng: list, outputs: list[RequestOutput],
                          ) -> tuple[list[Request], list[Request], SamplerOutput | None]:
         """A step failed. Re-run its requests in halves to find those that fail on their own
         (a failure that follows a request is the request's), fail them, and run the step again
         without them. RNG states are restored before every run, so seeded requests draw the
-        same noise as in the step that failed. Returns what ``step`` continues with."""
-        rng = self.sampler.rng_state(sched.requests)
+        same noise as they would have. Returns what ``step`` continues with."""
         culprits: dict[str, Exception] = {}
 
         def probe(group: list[Request], known_error: Exception | None = None) -> None:
@@ -193,8 +194,14 @@ class Engine:
             probe(group[half:])
 
         probe(sched.requests, error)
-        if not culprits:   # the failure follows no request (e.g. it needs the whole batch)
-            raise error
+        if not culprits or (len(culprits) == len(sched.requests) > 1):
+            # It follows no single request (it needs the whole batch, or nothing runs at all):
+            # the step's requests fail, the queue goes on.
+            logger.error("engine step failed and no single request explains it: %r", error)
+            culprits = {r.request_id: error for r in sched.requests}
+        # Blocks this step was to write: once nobody who would write them holds them, their
+        # prefix-cache entries must go (nothing valid is behind them).
+        pending = [b for r in sched.requests for b in self.kv_cache.uncomputed_blocks(r)]
         culprit_requests = [r for r in sched.requests if r.request_id in culprits]
         survivors = [r for r in sched.requests if r.request_id not in culprits]
         # A survivor that took a prefix hit on a block a culprit was filling in this step would
@@ -209,10 +216,13 @@ class Engine:
             for request in dependents:
                 unwritten.update(b.block_id for b in self.kv_cache.uncomputed_blocks(request))
                 survivors.remove(request)
-                self.scheduler.preempt(request, sched)   # frees its blocks, dropping unwritten ones
+                self.scheduler.preempt(request, sched)
         for request in culprit_requests:
             logger.error("request %s failed in an engine step: %r", request.request_id, culprits[request.request_id])
             outputs.append(self._fail_request(request, culprits[request.request_id]))
+        for block in pending:
+            if block.ref_count == 0:
+                self.kv_cache.pool.uncache(block)
         self.sampler.restore_rng_state(rng)
         sampling, sampled = self._run_batch(survivors, sched) if survivors else ([], None)
         return survivors, sampling, sampled

@@ -157,7 +157,11 @@ class EngineLoop:
                 self._idle.set()
                 return
             if drain_expired and self.engine.requests:
-                self._abort_all("server is shutting down: generation stopped at the drain deadline")
+                try:
+                    self._abort_all("server is shutting down: generation stopped at the drain deadline")
+                except Exception as exc:  # noqa: BLE001 - every stream must still get its end
+                    logger.exception("aborting at the drain deadline failed")
+                    self._fail_all(EngineStepError(f"server is shutting down; aborting failed: {exc!r}"))
                 continue
             try:
                 outputs = self.engine.step()

@@ -84,6 +84,9 @@ class RequestValidator:
             if len(encoded) > self.max_prompt_bytes:
                 raise InvalidRequestError("prompt", f"is longer than {self.max_prompt_bytes} bytes")
             ids = self.tokenizer(prompt).input_ids
+            # A tokenizer may know added tokens the embedding has no row for.
+            if ids and max(ids) >= self.vocab_size:
+                raise InvalidRequestError("prompt", f"tokenizes to ids beyond the model's vocabulary ({self.vocab_size})")
         else:
             if len(prompt) >= self.max_model_len:
                 raise InvalidRequestError("prompt", f"has {len(prompt)} token ids; max_model_len is "

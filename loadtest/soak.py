@@ -33,6 +33,8 @@ from loadtest.server_metrics import sample
 from server.launch import TritonServer, free_ports
 
 PROFILE = "cpu"
+# Errors that are refusals with a reason (admission control), not losses.
+REFUSALS = ("waiting queue is full", "shutting down")
 MAX_RSS_DRIFT = 0.05
 # What the bad-request thread sends, in turn (HTTP generate bodies); each must get a 400.
 BAD_BODIES = [
@@ -121,7 +123,10 @@ def bad_requests(server: TritonServer, state: SoakState, stop: threading.Event, 
             with urllib.request.urlopen(request, timeout=60) as response:
                 state.bad_other.append(f"{body[:60]!r}: accepted ({response.status})")
         except urllib.error.HTTPError as exc:
-            message = json.loads(exc.read() or b"{}").get("error", "")
+            try:
+                message = json.loads(exc.read() or b"{}").get("error", "")
+            except ValueError:
+                message = ""
             if exc.code == 400 and message:
                 state.bad_refused += 1
             else:
@@ -147,13 +152,16 @@ def outcomes(run_dir: Path) -> dict:
     records = [RequestRecord.from_dict(json.loads(line))
                for line in (run_dir / report.RECORDS).read_text().splitlines() if line.strip()]
     answered = [r for r in records if r.outcome in (OK, CANCELLED)]
-    refused = [r for r in records if r.outcome == FAILED and r.error]
-    lost = [r for r in records if r.outcome == FAILED and not r.error]
+    failed = [r for r in records if r.outcome == FAILED]
+    refused = [r for r in failed if r.error and any(m in r.error for m in REFUSALS)]
+    # Everything else that failed is a loss: no final response (a timeout, a broken stream) or
+    # an error that is not a refusal (INTERNAL).
+    lost = [r for r in failed if r not in refused]
     interrupted = [r for r in records if r.outcome == INTERRUPTED]
     return {"sent": len(records), "answered": len(answered), "cancelled": sum(r.outcome == CANCELLED for r in records),
             "refused": len(refused), "refusal_reasons": sorted({(r.error or "")[:120] for r in refused})[:10],
-            "lost": len(lost), "interrupted_at_stop": len(interrupted),
-            "output_tokens": sum(r.output_tokens for r in records)}
+            "lost": len(lost), "lost_errors": sorted({(r.error or "no error")[:160] for r in lost})[:10],
+            "interrupted_at_stop": len(interrupted), "output_tokens": sum(r.output_tokens for r in records)}
 
 
 def plot(samples: list[dict], path: Path) -> None:
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "soak.json").write_text(json.dumps({**summary, "samples": state.samples}, indent=1))
     if state.samples:
         plot(state.samples, run_dir / "soak.png")
-    ok = (counts["lost"] == 0 and not state.violations and not state.bad_other and server.restarts == 0
+    ok = (counts["lost"] == 0 and not state.violations and state.bad_refused == state.bad_sent and server.restarts == 0
           and all(d["drift"] is not None and abs(d["drift"]) < MAX_RSS_DRIFT for d in drift.values()))
     lines = [f"# Soak: {args.duration / 60:.0f} min at {args.rate:g} req/s ({PROFILE} mix), {time.strftime('%Y-%m-%d')}",
              "", f"`{command}` on {summary['machine']}", "",

@@ -141,6 +141,8 @@ class TritonServer:
         self._stopping = threading.Event()
         self._lifecycle = threading.Lock()   # restart vs stop
         self._supervisor: threading.Thread | None = None
+        self._log = None
+        self._restart_times: list[float] = []
         self.drain_timeout_s = configured_drain_timeout(self.params)
         self.exit_timeout_s = int(self.drain_timeout_s + EXIT_TIMEOUT_MARGIN_S + 0.999)
 
@@ -183,7 +185,12 @@ class TritonServer:
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
                "--exit-on-error=true", "--log-verbose=0", f"--exit-timeout-secs={self.exit_timeout_s}"]
-        out = open(self.log_file, "a" if self.restarts else "w") if self.log_file else None
+        if self._log is not None:
+            self._log.close()
+        self._log = out = open(self.log_file, "a" if self.restarts else "w") if self.log_file else None
+        if self.drain_file is not None:   # a restarted server starts undrained
+            self.drain_file.unlink(missing_ok=True)
+            Path(str(self.drain_file) + ".done").unlink(missing_ok=True)
         env = server_environment()
         env["LLM_DRAIN_FILE"] = str(self.drain_file)   # read by model_repository/llm/1/model.py
         env["LLM_SERVER_RESTARTS"] = str(self.restarts)  # exported as llm_server_restarts_total
@@ -219,6 +226,11 @@ class TritonServer:
                           else "the Python backend stub died")
                 print(f"supervisor: {reason}; restarting tritonserver", file=sys.stderr, flush=True)
                 self._kill_group()
+                # Back off when restarts come fast (a model that cannot load): 0, 1, 2, 4 ... 60 s.
+                recent = [t for t in self._restart_times if time.monotonic() - t < 600]
+                self._restart_times = recent + [time.monotonic()]
+                if recent and self._stopping.wait(min(60.0, 2.0 ** (len(recent) - 1))):
+                    return
                 self.restarts += 1
                 self._spawn()
             try:
@@ -295,6 +307,9 @@ class TritonServer:
                     pass
             # Whatever is left of the group (e.g. the stubs of a server that died on its own).
             self._kill_group()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None

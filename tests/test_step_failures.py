@@ -115,19 +115,59 @@ def test_a_request_sharing_blocks_the_culprit_was_filling_is_recomputed(engine: 
     assert engine.scheduler.num_preemptions == preemptions + 1, "twin should have been recomputed"
 
 
-def test_a_failure_no_request_explains_still_fails_the_step(engine: Engine, prose_ids: list[int]) -> None:
+def test_a_failure_no_request_explains_fails_that_step_only(engine: Engine, prose_ids: list[int]) -> None:
     def hook(requests: list[Request]) -> None:
         if len(requests) > 1:
             raise RuntimeError("only fails for a whole batch")
     engine.runner.fault_hook = hook
     engine.add_request("x", prose_ids[:10], SamplingParams(max_tokens=4, **GREEDY))
     engine.add_request("y", prose_ids[20:30], SamplingParams(max_tokens=4, **GREEDY))
-    with pytest.raises(RuntimeError, match="whole batch"):
-        engine.step()
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["x"].finish_reason == outputs["y"].finish_reason == "error"
+    assert "whole batch" in outputs["x"].finish_message
     engine.runner.fault_hook = None
-    for request_id in ("x", "y"):
-        engine.abort(request_id)
-    engine.step()
+    later = run(engine, {"z": prose_ids[40:50]}, {"z": SamplingParams(max_tokens=4, **GREEDY)})
+    assert later["z"].finish_reason == "length"
+
+
+def test_a_failure_after_sampling_drew_noise_leaves_seeded_requests_unchanged(engine: Engine, prose_ids: list[int],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler fails after the seeded rows drew their noise: the re-run must draw the same."""
+    prompts = {"bad": prose_ids[100:120], "seeded": prose_ids[300:320], "random": prose_ids[400:410]}
+    params = {"bad": SamplingParams(max_tokens=8, **GREEDY),
+              "seeded": SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True),
+              "random": SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)}
+    clean = run(engine, {"seeded": prompts["seeded"]}, params)
+    real_sampler = engine.sampler.__class__.__call__
+
+    def failing_sampler(self, logits, requests):
+        result = real_sampler(self, logits, requests)
+        if any(r.request_id == "bad" and r.num_output_tokens >= 2 for r in requests):
+            raise OverflowError("poisoned request bad (after sampling)")
+        return result
+    monkeypatch.setattr(engine.sampler.__class__, "__call__", failing_sampler)
+    faulty = run(engine, prompts, params)
+    assert faulty["bad"].finish_reason == "error"
+    assert faulty["seeded"].token_ids == clean["seeded"].token_ids
+
+
+def test_two_levels_of_same_step_prefix_sharing(engine: Engine, prose_ids: list[int]) -> None:
+    """``c`` fills block X; ``s1`` hits X and fills Y; ``s2`` hits X and Y, all in one step.
+    When ``c`` fails, both must be recomputed and neither X nor Y may stay in the cache."""
+    engine.kv_cache.pool.reset_prefix_cache()
+    x, y = prose_ids[800:816], prose_ids[816:832]
+    prompts = {"c": x + prose_ids[900:904], "s1": x + y + prose_ids[910:914], "s2": x + y + prose_ids[920:928]}
+    params = {name: SamplingParams(max_tokens=6, **GREEDY) for name in prompts}
+    clean = {}
+    for name in ("s1", "s2"):
+        engine.kv_cache.pool.reset_prefix_cache()
+        clean.update(run(engine, {name: prompts[name]}, params))
+    engine.kv_cache.pool.reset_prefix_cache()
+    engine.runner.fault_hook = fail_when("c")
+    faulty = run(engine, prompts, params)
+    assert faulty["c"].finish_reason == "error"
+    assert faulty["s1"].token_ids == clean["s1"].token_ids
+    assert faulty["s2"].token_ids == clean["s2"].token_ids
 
 
 def test_the_loop_sends_the_culprit_an_error_and_the_others_their_text(engine: Engine, prose_ids: list[int]) -> None:

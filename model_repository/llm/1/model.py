@@ -43,6 +43,7 @@ from server.metrics import EngineMetrics
 
 POLL_INTERVAL_S = 0.1
 LOCK_TIMEOUT_S = 2.0
+UNLOAD_CONFIRM_POLLS = 3
 # Set by the launcher (server/launch.py): when this file appears the model drains, and it
 # writes DRAIN_FILE + ".done" once nothing is in flight; only then is tritonserver signalled.
 DRAIN_FILE_ENV = "LLM_DRAIN_FILE"
@@ -105,6 +106,8 @@ class TritonPythonModel:
         self._outbox: queue.Queue[tuple[_Stream, RequestOutput | BaseException] | None] = queue.Queue()
         self._stop = threading.Event()
         self._seen_ready = False
+        self._not_ready_polls = 0
+        self._unload_seen = False
         self._drain_file = os.environ.get(DRAIN_FILE_ENV) or None
         self._drain_reported = False
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
@@ -129,7 +132,8 @@ class TritonPythonModel:
 
     def _submit(self, request: Any, sender: Any) -> None:
         flags = {name: _bool_input(request, name) for name in BOOL_INPUTS}
-        prompt_text, prompt = _prompt_input(request)
+        prompt_text, prompt = _prompt_input(request, self.loop.validator.max_model_len,
+                                            self.loop.validator.max_prompt_bytes)
         params = _sampling_params(request)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         stream = _Stream(request_id, sender, flags, prompt_text, 0)
@@ -157,18 +161,40 @@ class TritonPythonModel:
             for stream, result in _coalesce([item for item in items if item is not None]):
                 try:
                     self._send_result(stream, result)
-                except Exception:  # noqa: BLE001 - e.g. the client went away: stop generating for it
+                except Exception as exc:  # noqa: BLE001 - e.g. the client went away: stop generating for it
                     logger.exception("sending a response of %s failed", stream.request_id)
                     self.loop.abort(stream.request_id)
+                    if isinstance(result, BaseException) or result.finished:
+                        self._end_after_failed_send(stream, exc)
             if stopping:
                 return
+
+    def _end_after_failed_send(self, stream: _Stream, exc: Exception) -> None:
+        """A final response could not be built or sent: try a final error instead, so the
+        stream (and Triton's unload) is not left waiting."""
+        try:
+            self._send_error(stream.sender, f"internal error: sending the final response failed: {exc!r}",
+                             pb_utils.TritonError.INTERNAL)
+        except Exception:  # noqa: BLE001 - the client is gone
+            logger.exception("sending the final error of %s failed", stream.request_id)
+        finally:
+            with self._lock:
+                self._streams.pop(stream.request_id, None)
 
     def _send_result(self, stream: _Stream, result: RequestOutput | BaseException) -> None:
         final = isinstance(result, BaseException) or result.finished
         if final:
-            with self._lock:
-                self._streams.pop(stream.request_id, None)
-            stream.mark_done()
+            stream.mark_done()   # no cancellation check on this sender from now on
+            try:
+                self._send_response(stream, result)
+            finally:   # out of the live streams only once sent (the drain waits for it)
+                with self._lock:
+                    self._streams.pop(stream.request_id, None)
+        else:
+            self._send_response(stream, result)
+
+    def _send_response(self, stream: _Stream, result: RequestOutput | BaseException) -> None:
+        final = isinstance(result, BaseException) or result.finished
         if isinstance(result, BaseException):
             code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, (QueueFullError, ShuttingDownError)) else
                     pb_utils.TritonError.INVALID_ARG if isinstance(result, InvalidRequestError) else
@@ -223,31 +249,41 @@ class TritonPythonModel:
     # ---- poller thread ----------------------------------------------------------------------
     def _poll_loop(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_S):
-            with self._lock:
-                streams = list(self._streams.values())
-            for stream in streams:
-                if self.loop.draining:
-                    # While Triton unloads the model, is_cancelled() may never return; a
-                    # drain ends every stream by its deadline anyway.
-                    break
-                try:
-                    with stream.lock:
-                        newly_cancelled = not stream.done and not stream.cancelled and stream.sender.is_cancelled()
-                    if newly_cancelled:
-                        stream.cancelled = True
-                        self.loop.abort(stream.request_id)
-                except Exception:  # noqa: BLE001
-                    logger.exception("cancellation check of %s failed", stream.request_id)
+            # Drain first: once Triton unloads, is_cancelled() below may never return.
+            if not self.loop.draining:
+                if self._drain_requested():
+                    self._start_drain(unloading=False)
+                elif self._unloading():
+                    self._start_drain(unloading=True)
+            if (self.loop.draining and not self._drain_reported and self.loop.wait_idle(0)
+                    and self._outbox.empty() and not self._streams):
+                self._report_drained()
+            if not self._unload_seen:
+                self._check_cancellations()
             try:
                 self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size)
             except Exception:  # noqa: BLE001 - metrics must never take the server down
                 logger.exception("metrics update failed")
-            if not self.loop.draining and (self._drain_requested() or self._unloading()):
-                self.loop.drain(self.engine.config.drain_timeout_s)
-                self.metrics.set_draining(True)
-            if (self.loop.draining and not self._drain_reported and self.loop.wait_idle(0)
-                    and self._outbox.empty() and not self._streams):
-                self._report_drained()
+
+    def _check_cancellations(self) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            try:
+                with stream.lock:
+                    newly_cancelled = not stream.done and not stream.cancelled and stream.sender.is_cancelled()
+                if newly_cancelled:
+                    stream.cancelled = True
+                    self.loop.abort(stream.request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("cancellation check of %s failed", stream.request_id)
+
+    def _start_drain(self, unloading: bool) -> None:
+        # During an unload, cancellation checks stop (is_cancelled() can hang then); a drain
+        # the launcher asked for keeps honouring client cancellations.
+        self._unload_seen = unloading
+        self.loop.drain(self.engine.config.drain_timeout_s)
+        self.metrics.set_draining(True)
 
     def _drain_requested(self) -> bool:
         return self._drain_file is not None and os.path.exists(self._drain_file)
@@ -265,10 +301,14 @@ class TritonPythonModel:
         try:
             ready = pb_utils.is_model_ready(model_name=self.model_name, model_version=self.model_version)
         except Exception as exc:  # noqa: BLE001 - a stopping server answers "Server not ready"
-            logger.warning("model readiness check failed: %s", exc)
+            if "not ready" not in str(exc):
+                logger.warning("model readiness check failed: %s", exc)
+                return False
             ready = False
         self._seen_ready = self._seen_ready or ready
-        return self._seen_ready and not ready
+        # Not-ready several polls in a row: one odd answer must not drain a healthy replica.
+        self._not_ready_polls = 0 if ready else self._not_ready_polls + 1
+        return self._seen_ready and self._not_ready_polls >= UNLOAD_CONFIRM_POLLS
 
     def finalize(self) -> None:
         self._stop.set()
@@ -306,8 +346,9 @@ def _bool_input(request: Any, name: str) -> bool:
     return bool(values[0])
 
 
-def _prompt_input(request: Any) -> tuple[str, str | list[int]]:
-    """Returns (prompt text for echoing, prompt for the engine: text or token ids)."""
+def _prompt_input(request: Any, max_ids: int, max_bytes: int) -> tuple[str, str | list[int]]:
+    """Returns (prompt text for echoing, prompt for the engine: text or token ids). Sizes are
+    checked before anything is converted (a huge tensor must not stall Triton's thread)."""
     text_tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     if text_tensor is not None:
@@ -315,6 +356,8 @@ def _prompt_input(request: Any) -> tuple[str, str | list[int]]:
         if values.size != 1:
             raise InvalidRequestError("text_input", "must hold exactly one string")
         raw = values[0]
+        if len(raw) > max_bytes:
+            raise InvalidRequestError("text_input", f"is longer than {max_bytes} bytes")
         if isinstance(raw, bytes):
             try:
                 raw = raw.decode("utf-8")
@@ -322,7 +365,11 @@ def _prompt_input(request: Any) -> tuple[str, str | list[int]]:
                 raise InvalidRequestError("text_input", f"is not valid UTF-8 ({exc.reason} at byte {exc.start})")
         return raw, raw
     if ids_tensor is not None:
-        return "", [int(t) for t in ids_tensor.as_numpy().reshape(-1)]
+        ids = ids_tensor.as_numpy().reshape(-1)
+        if ids.size >= max_ids:
+            raise InvalidRequestError("input_ids", f"has {ids.size} token ids; max_model_len is {max_ids}, "
+                                                   f"leaving no room to generate")
+        return "", ids.tolist()
     raise InvalidRequestError("text_input", "missing: send text_input (BYTES) or input_ids (INT32)")
 
 
