@@ -15,6 +15,7 @@ Thread ownership:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -32,6 +33,19 @@ logger = logging.getLogger(__name__)
 
 # Receives each RequestOutput of the request, or one exception that ends it.
 OutputCallback = Callable[[RequestOutput | BaseException], None]
+
+
+# glibc keeps freed heap memory (steps of ever-different shapes leave it fragmented) instead
+# of returning it: a 30-minute soak grew the stub's RSS by 17% with no live object behind it,
+# and malloc_trim(0) gave it all back. The loop trims this often, between steps.
+TRIM_INTERVAL_S = 30.0
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):   # not glibc: nothing to do
+        return None
 
 
 class EngineStepError(RuntimeError):
@@ -72,6 +86,8 @@ class EngineLoop:
         self._idle = threading.Event()              # set while no request is in flight
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Loop-thread state.
+        self._malloc_trim = _load_malloc_trim()
+        self._last_trim = time.monotonic()
         self._callbacks: dict[str, OutputCallback] = {}
         self._arrival: dict[str, float] = {}
         self._last_token_time: dict[str, float] = {}
@@ -171,6 +187,9 @@ class EngineLoop:
                 continue
             self._deliver(outputs)
             self.stats = self.engine.stats()
+            if self._malloc_trim is not None and time.monotonic() - self._last_trim > TRIM_INTERVAL_S:
+                self._malloc_trim(0)
+                self._last_trim = time.monotonic()
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):
