@@ -68,19 +68,6 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def stub_pids(server: TritonServer) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        if "triton_python_b" in text.split(")")[0] and int(fields[2]) == server.process.pid:
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 def check_invariants(row: dict, max_num_seqs: int) -> list[str]:
     problems = []
     used, total, cached = row.get("kv_used"), row.get("kv_total"), row.get("kv_cached")
@@ -104,7 +91,7 @@ def sampler(server: TritonServer, state: SoakState, stop: threading.Event, inter
         except OSError as exc:
             state.violations.append(f"{time.time():.0f}: metrics unreachable: {exc}")
             continue
-        stubs = stub_pids(server)
+        stubs = server.stub_pids()
         row["rss_server"] = rss_bytes(server.process.pid)
         row["rss_stub"] = sum(rss_bytes(p) or 0 for p in stubs) if stubs else None
         row["restarts"] = server.restarts

@@ -117,6 +117,24 @@ def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
     return target
 
 
+STUB_NAME = "triton_python_b"   # the stub's process name as /proc shows it (15 characters)
+
+
+def processes_in_group(pgid: int, name_prefix: str = "") -> list[int]:
+    """Live (not zombie) processes of a process group, optionally by name prefix."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state != "Z" and name.startswith(name_prefix):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 class TritonServer:
     """The real tritonserver as a child process, in its own process group (so that nothing it
     started can outlive it).
@@ -197,21 +215,13 @@ class TritonServer:
         self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True)
 
+    def stub_pids(self) -> list[int]:
+        """The Python backend stubs of this server (Triton 2.51 neither restarts a stub that
+        died nor ends the streams it had open; see docs/reliability.md)."""
+        return processes_in_group(self.process.pid, STUB_NAME) if self.process is not None else []
+
     def stub_alive(self) -> bool:
-        """Is a Python backend stub of this server running? (Triton 2.51 neither restarts a
-        stub that died nor ends the streams it had open; see docs/reliability.md.)"""
-        if self.process is None:
-            return False
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                text = stat.read_text()
-            except OSError:
-                continue
-            name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-            # rest: state, ppid, pgrp, ...
-            if name.startswith("triton_python_b") and rest[0] != "Z" and int(rest[2]) == self.process.pid:
-                return True
-        return False
+        return bool(self.stub_pids())
 
     def _supervise(self) -> None:
         """Restart the server when its stub or the server itself dies. Killing the server

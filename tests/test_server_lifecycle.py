@@ -16,24 +16,12 @@ import pytest
 
 from client import LLMClient, LLMError
 from loadtest.server_metrics import scrape
-from server.launch import REPO_ROOT, TritonServer, free_ports
+from server.launch import REPO_ROOT, TritonServer, free_ports, processes_in_group
 from server.ready import is_ready
 
 pytestmark = pytest.mark.server
 
 DRAIN_TIMEOUT_S = 8.0
-
-
-def _processes_in_group(pgid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
 
 
 def _tritonserver_pid(http_port: int) -> int | None:
@@ -114,7 +102,7 @@ def test_sigterm_drains_every_open_stream_and_leaves_no_process(model_dir: Path,
             assert "shutting down" in stream.final.finish_message
         assert launcher.wait(30) == 0
         assert time.monotonic() - sigterm_at <= DRAIN_TIMEOUT_S + 15
-        assert _processes_in_group(pgid) == [], "tritonserver or its stub outlived the launcher"
+        assert processes_in_group(pgid) == [], "tritonserver or its stub outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -128,7 +116,7 @@ def test_a_killed_stub_ends_its_streams_and_the_server_recovers(model_dir: Path,
         streams = [StreamRecord(client, 5000) for _ in range(3)]
         for stream in streams:
             assert stream.first_token.wait(60) and stream.error is None
-        stubs = [pid for pid in _processes_in_group(server.process.pid) if pid != server.process.pid]
+        stubs = server.stub_pids()
         assert stubs, "no Python backend stub found"
         killed_at = time.monotonic()
         for pid in stubs:
