@@ -37,7 +37,11 @@ class EngineConfig:
     cpu_threads: int | None = None             # CPU: torch / OpenMP threads of the engine; None = every core
                                                # this process may run on (os.sched_getaffinity)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only int8 decoder projections (CPU opt-in)
-    cpu_weight_packing: bool = True            # CPU: prepack linear weights for oneDNN (false: plain F.linear)
+    cpu_linear: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU float32 linear layers: our C
+                                               # kernel, prepacked oneDNN or plain F.linear; auto = native
+                                               # where it builds (AVX2 + FMA), else onednn, else torch
+    cpu_fused_ops: bool = True                 # CPU float32: residual add + RMSNorm and RoPE + KV write
+                                               # fused in C (kernels/csrc/layer_ops.c); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     seed: int = 0                              # engine-wide RNG for requests without a seed
     drain_timeout_s: float = 20.0              # serving: on shutdown or unload, how long requests in flight
@@ -90,6 +94,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               "max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
         check(self.quantization in ("none", "int8"), "quantization must be none or int8")
+        check(self.cpu_linear in ("auto", "native", "onednn", "torch"),
+              "cpu_linear must be auto, native, onednn or torch")
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")

@@ -1,14 +1,17 @@
-"""Linear layers for CPU: prepacked for oneDNN, or weight-only int8 (opt-in).
+"""Linear layers for CPU (``EngineConfig.cpu_linear``): our C kernel, prepacked oneDNN, or
+weight-only int8 (opt-in).
 
 ``F.linear`` hands MKL the weight in its checkpoint layout, and MKL re-packs it into its
 blocked layout on every call; for the decode batches an engine runs (tens of rows against
 a weight of millions) that packing is a large share of the matmul. Packing each weight
 once at load time, as PyTorch's own CPU inference path (inductor's weight freezing) does,
 measured 1.6x faster for a decoder layer's projections and 2.5x for SmolLM2's 49152-row
-LM head at 16 rows on a 2-core AVX2 EPYC (docs/benchmarks.md).
+LM head at 16 rows on a 2-core AVX2 EPYC (docs/benchmarks.md). Our own kernel over
+weights packed in 16-column panels (``NativeLinear``, kernels/csrc/linear_f32.c) is a
+further 1.4x over oneDNN's on the whole model's projections at 16 rows, and 1.6x at one.
 
-``F.linear`` stays the reference: ``EngineConfig.cpu_weight_packing=false`` serves with it,
-and tests compare the two.
+``F.linear`` stays the reference: ``cpu_linear=torch`` serves with it, and tests compare
+every path with it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,69 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kernels import cpu_native
+
+CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
+PANEL_WIDTH = 16    # output columns per packed panel: NR in kernels/csrc/linear_f32.c
+
 
 def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def resolve_cpu_linear(choice: str, float32_on_cpu: bool) -> str:
+    """``auto``: our kernel where it builds (a C compiler, AVX2 + FMA), else oneDNN where torch
+    has it, else ``F.linear``; ``torch`` (F.linear) for other dtypes and devices. An explicit
+    choice that cannot run here is an error at start-up. Measured only on AVX2 CPUs: on
+    AVX-512 machines oneDNN uses twice the vector width and may win; pick ``onednn`` there
+    after measuring (``python -m benchmarks.step_cost``)."""
+    if choice not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_CHOICES}, got {choice!r}")
+    if not float32_on_cpu:
+        if choice not in ("auto", "torch"):
+            raise ValueError(f"cpu_linear={choice} applies to float32 weights on CPU")
+        return "torch"
+    if choice == "auto":
+        if cpu_native.linear_available():
+            return "native"
+        return "onednn" if onednn_packing_available() else "torch"
+    if choice == "native" and not cpu_native.linear_available():
+        raise ValueError("cpu_linear=native needs gcc and a CPU with AVX2 and FMA")
+    if choice == "onednn" and not onednn_packing_available():
+        raise ValueError("cpu_linear=onednn needs a torch build with oneDNN (mkldnn)")
+    return choice
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in, 16] float32: each panel holds 16 output columns,
+    k-major, zero-padded past ``out`` (the layout kernels/csrc/linear_f32.c reads)."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL_WIDTH)
+    padded = torch.zeros(num_panels * PANEL_WIDTH, in_features, dtype=torch.float32)
+    padded[:out_features] = weight.detach()
+    return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+
+
+class NativeLinear(nn.Module):
+    """``y = x @ W.T + b`` through our C kernel, ``W`` packed in 16-column panels."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"NativeLinear is float32 on CPU, got {weight.dtype} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = pack_panels(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        if x.dim() != 2 or x.stride(-1) != 1:
+            x = x.reshape(-1, self.in_features).contiguous()
+        y = cpu_native.linear_f32(x, self.packed_weight, self.out_features, self.bias)
+        return y.view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class PackedLinear(nn.Module):

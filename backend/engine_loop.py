@@ -69,7 +69,7 @@ class _Abort:
 
 @dataclass
 class LatencySample:
-    kind: str        # "ttft" | "itl" | "e2e"
+    kind: str        # "ttft" | "itl" | "e2e" | "step" (one engine iteration)
     seconds: float
 
 
@@ -179,12 +179,14 @@ class EngineLoop:
                     logger.exception("aborting at the drain deadline failed")
                     self._fail_all(EngineStepError(f"server is shutting down; aborting failed: {exc!r}"))
                 continue
+            started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving: fail what was in flight, not the server
                 logger.exception("engine step failed")
                 self._fail_all(EngineStepError(f"engine step failed: {exc!r}"))
                 continue
+            self.latency_samples.append(LatencySample("step", time.monotonic() - started))
             self._deliver(outputs)
             self.stats = self.engine.stats()
             if self._malloc_trim is not None and time.monotonic() - self._last_trim > TRIM_INTERVAL_S:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from backend.cpu_linear import Int8Linear, PackedLinear, onednn_packing_available, replace_linears
+from kernels import cpu_native
+from backend.cpu_linear import Int8Linear, NativeLinear, PackedLinear, replace_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -151,11 +152,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.fused_cpu_ops = False   # set by CausalLM.use_fused_cpu_ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata,
                 plan: kernels.CpuAttentionPlan | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.fused_cpu_ops:
+            # RoPE on q and k in place and the K/V cache write, in one C pass (layer_ops.c).
+            cpu_native.rope_and_cache(qkv, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
+                                      self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+            o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                        meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
+                                        backend=self.attention_backend, plan=plan)
+            return self.o_proj(o.reshape(-1, self.q_size))
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k rotated as one tensor of num_heads + num_kv_heads heads: half the ops.
@@ -210,7 +221,8 @@ class CausalLM(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend) for _ in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.packed_lm_head: PackedLinear | None = None   # set by pack_for_cpu
+        self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
+        self.fused_cpu_ops = False                      # set by use_fused_cpu_ops
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,22 +238,57 @@ class CausalLM(nn.Module):
         # Gather indices etc. derived from the block tables once per step, reused by every layer.
         plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
                                       kv_caches[0][0].shape[1], self.attention_backend)
-        for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
-            h += layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta, plan)
-            h += layer.mlp(layer.post_attention_layernorm(h))
+        if self.fused_cpu_ops:
+            self._decoder_fused(h, cos, sin, meta, kv_caches, plan)
+        else:
+            for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
+                h += layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta, plan)
+                h += layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h[meta.logits_indices])
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
 
-    def pack_for_cpu(self) -> None:
-        """Prepack every projection and the LM head for oneDNN (backend/cpu_linear.py). A
-        tied head keeps the embedding table for lookups and gets a packed copy for logits."""
+    def _decoder_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: kernels.CpuAttentionPlan | None,
+                       ) -> None:
+        """The layer loop above with each residual add fused into the next RMSNorm (one C pass
+        each, layer_ops.c); ``h`` ends as the same residual stream."""
+        layers = self.model.layers
+        eps = self.arch.rms_norm_eps
+        x = torch.empty_like(h)      # the normed input of the next projection, rewritten in place
+        cpu_native.add_rms_norm(h, None, layers[0].input_layernorm.weight, x, eps)
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(layers, kv_caches)):
+            attn = layer.self_attn(x, cos, sin, key_cache, value_cache, meta, plan)
+            cpu_native.add_rms_norm(h, attn, layer.post_attention_layernorm.weight, x, eps)
+            mlp = layer.mlp(x)
+            if i + 1 < len(layers):
+                cpu_native.add_rms_norm(h, mlp, layers[i + 1].input_layernorm.weight, x, eps)
+            else:
+                h += mlp
+
+    def use_fused_cpu_ops(self, enabled: bool) -> bool:
+        """Fuse RMSNorm with the residual add and RoPE with the K/V cache write (C, layer_ops.c)
+        where they apply: float32 on CPU, the ``cpu`` attention backend, no q/k norm, the C
+        library built. Returns whether they are on; off, the torch ops above run (the reference)."""
+        applies = (enabled and self.model.embed_tokens.weight.dtype == torch.float32
+                   and self.model.embed_tokens.weight.device.type == "cpu" and self.attention_backend == "cpu"
+                   and not self.arch.qk_norm and cpu_native.load() is not None)
+        self.fused_cpu_ops = applies
+        for layer in self.model.layers:
+            layer.self_attn.fused_cpu_ops = applies
+        return applies
+
+    def pack_for_cpu(self, kind: str) -> None:
+        """Repack every projection and the LM head for a CPU kernel (backend/cpu_linear.py):
+        ``native`` (ours) or ``onednn``. A tied head keeps the embedding table for lookups
+        and gets a packed copy for logits."""
+        make = {"native": NativeLinear, "onednn": PackedLinear}[kind]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(weight, None)
+        self.packed_lm_head = make(weight, None)
         self.lm_head = None
-        replace_linears(self.model.layers, PackedLinear)
+        replace_linears(self.model.layers, make)
 
 
 # ---- weights -------------------------------------------------------------------------------
@@ -265,7 +312,9 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
-               cpu_weight_packing: bool = False, quantization: str = "none") -> CausalLM:
+               cpu_linear: str = "torch", quantization: str = "none", cpu_fused_ops: bool = False) -> CausalLM:
+    """``cpu_linear``: a resolved choice (``backend.cpu_linear.resolve_cpu_linear``);
+    ``cpu_fused_ops``: see ``CausalLM.use_fused_cpu_ops``."""
     folder = Path(folder)
     with torch.device("meta"):
         model = CausalLM(arch, attention_backend)
@@ -290,10 +339,11 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         # The decoder's projections only: the LM head stays in the model dtype (its rounding
         # would move every logit), and is packed below.
         replace_linears(model.model.layers, Int8Linear)
-    # float32 only: oneDNN packs bfloat16 weights only on CPUs with AVX512-BF16 / AVX-NE-CONVERT,
-    # and none has been measured here.
-    if cpu_weight_packing and device.type == "cpu" and dtype == torch.float32 and onednn_packing_available():
-        model.pack_for_cpu()
+    # float32 only (resolve_cpu_linear): oneDNN packs bfloat16 weights only on CPUs with
+    # AVX512-BF16 / AVX-NE-CONVERT, and none has been measured here.
+    if cpu_linear in ("native", "onednn"):
+        model.pack_for_cpu(cpu_linear)
+    model.use_fused_cpu_ops(cpu_fused_ops)
     return model.eval()
 
 

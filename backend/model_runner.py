@@ -21,6 +21,7 @@ import torch
 
 import kernels
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from backend.cpu_linear import resolve_cpu_linear
 from backend.cuda_graphs import DecodeGraphs, capture_sizes
 from backend.kv_cache_manager import cdiv
 from backend.model import AttentionMetadata, ModelArchitecture, load_model
@@ -106,8 +107,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.cpu_linear = resolve_cpu_linear(config.cpu_linear,
+                                             self.device.type == "cpu" and self.dtype == torch.float32)
+        if self.device.type == "cpu":
+            logger.info("CPU linear layers: %s", self.cpu_linear)
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
-                                self.attention_backend, config.cpu_weight_packing, config.quantization)
+                                self.attention_backend, self.cpu_linear, config.quantization, config.cpu_fused_ops)
+        if self.device.type == "cpu":
+            logger.info("CPU fused layer ops (RMSNorm + residual, RoPE + KV write): %s", self.model.fused_cpu_ops)
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens

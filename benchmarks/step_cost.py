@@ -79,11 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--cpu-linear", default="auto", help="auto, native, onednn or torch (EngineConfig.cpu_linear)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engine = Engine(EngineConfig(model=args.model, max_num_seqs=max(batches), num_kv_blocks=4096, dtype=args.dtype,
-                                 quantization=args.quantization, enable_prefix_caching=False))
+                                 quantization=args.quantization, cpu_linear=args.cpu_linear,
+                                 enable_prefix_caching=False))
     rng = random.Random(0)
     rows = []
     for batch in batches:
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "device": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype),
-            "quantization": args.quantization, "context": args.context, "decode": rows,
+            "quantization": args.quantization, "cpu_linear": engine.runner.cpu_linear, "context": args.context, "decode": rows,
             "prefill_tokens": budget, "prefill_step_ms": round(prefill, 1),
             "date": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
 

@@ -1,13 +1,15 @@
-"""The C decode-attention kernel (kernels/csrc/paged_decode_attention.c), built on first use.
+"""The C kernels for CPU, built on first use: decode attention over the paged cache
+(kernels/csrc/paged_decode_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
+and the fused small ops of a layer (kernels/csrc/layer_ops.c).
 
-Plain C with OpenMP, no torch headers: gcc builds it in well under a second, so it is
+Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
 compiled for the machine it runs on (``-march=native``) the first time a process needs it
 and cached by a hash of the source, the flags and the CPU. It is called through ctypes,
 which releases the GIL for the call. torch must be imported first: the library's
 ``libgomp.so.1`` then binds to the OpenMP runtime torch already loaded (one thread pool).
 
-Without a C compiler ``load()`` returns None and the CPU path falls back to the batched
-torch implementation in ``cpu_attention.py``.
+Without a C compiler ``load()`` returns None: attention falls back to the batched torch
+implementation in ``cpu_attention.py`` and linear layers to oneDNN (``backend/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.c", "linear_f32.c",
+                                                                       "layer_ops.c"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -48,16 +51,18 @@ def _cpu_signature() -> str:
 
 def build(compiler: str = "gcc") -> Path:
     """Compile (once per source/flags/CPU) and return the shared library's path."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_attention-{key}.so"
+    digest = hashlib.sha256(" ".join(CFLAGS).encode() + _cpu_signature().encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent first uses never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *CFLAGS, "-o", str(out), str(SOURCE), "-lm"], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([compiler, *CFLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
+                       capture_output=True, text=True)
         os.replace(out, target)
     return target
 
@@ -66,18 +71,44 @@ def build(compiler: str = "gcc") -> Path:
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None when it cannot be built here (logged once)."""
     if shutil.which("gcc") is None:
-        logger.warning("no C compiler: CPU decode attention uses the batched torch path")
+        logger.warning("no C compiler: CPU attention and linear layers use torch's kernels")
         return None
     try:
         library = ctypes.CDLL(str(build()))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("building the C decode-attention kernel failed (%s); using the torch path", detail)
+        logger.warning("building the C kernels failed (%s); using torch's kernels", detail)
         return None
     library.paged_decode_attention_f32.restype = ctypes.c_int
     library.paged_decode_attention_f32.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                                    ctypes.c_float, ctypes.c_int]
+    library.linear_f32_supported.restype = ctypes.c_int
+    library.linear_f32_supported.argtypes = []
+    library.linear_f32.restype = None
+    library.linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
+    library.add_rms_norm_f32.restype = None
+    library.add_rms_norm_f32.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float]
+    library.rope_and_cache_f32.restype = None
+    library.rope_and_cache_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
     return library
+
+
+def linear_available() -> bool:
+    """The C linear kernel builds here and the CPU has what it needs (AVX2 + FMA)."""
+    library = load()
+    return library is not None and bool(library.linear_f32_supported())
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``packed`` = ``backend.cpu_linear.pack_panels(W)``. ``x``: [rows,
+    in_features] float32 CPU with unit column stride (any row stride); returns a new
+    contiguous [rows, out_features] tensor. The caller checks dtypes once, at load time."""
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features)
+    if rows:
+        load().linear_f32(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -100,3 +131,26 @@ def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.T
         head_dim, block_size, scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError("paged_decode_attention_f32: scratch allocation failed")
+
+
+# ---- fused layer ops (kernels/csrc/layer_ops.c). float32 CPU tensors; the model checks
+# dtypes and layouts once at load time, so these do not (they run ~120 times a step).
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                 eps: float) -> None:
+    """``residual += delta`` (when given), then ``out = RMSNorm(residual) * weight``, in one
+    pass. All [rows, hidden] contiguous."""
+    rows, hidden = residual.shape
+    load().add_rms_norm_f32(residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), rows, hidden, eps)
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> None:
+    """Rotate the q and k heads of ``qkv`` [tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    in place and write k and v to cache slots ``slots`` (int64; < 0: not written). cos/sin:
+    [tokens, head_dim] contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    load().rope_and_cache_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                              key_cache.data_ptr(), value_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
+                              head_dim)

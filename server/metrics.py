@@ -38,6 +38,8 @@ HISTOGRAMS = {  # LatencySample.kind -> (name, description)
     "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token"),
     "itl": ("llm_inter_token_latency_seconds", "Time between consecutive token outputs of a request"),
     "e2e": ("llm_e2e_request_latency_seconds", "Time from arrival to the final output"),
+    "step": ("llm_engine_step_duration_seconds", "Duration of one engine iteration (schedule, forward pass, "
+                                                 "sampling, outputs)"),
 }
 TRTLLM_KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
 

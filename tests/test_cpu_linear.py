@@ -1,6 +1,6 @@
-"""CPU linear layers (backend/cpu_linear.py) against plain ``F.linear``: the oneDNN-packed
-weights give the same products, the int8 weight-only layer is its dequantised matmul, and
-the engine's greedy tokens do not depend on packing."""
+"""CPU linear layers (backend/cpu_linear.py) against plain ``F.linear``: our C kernel and the
+oneDNN-packed weights give the same products, the int8 weight-only layer is its dequantised
+matmul, and the engine's greedy tokens do not depend on which linear path serves."""
 
 from __future__ import annotations
 
@@ -12,12 +12,50 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.cpu_linear import Int8Linear, PackedLinear, onednn_packing_available, replace_linears
+from backend.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, onednn_packing_available, pack_panels,
+                                replace_linears, resolve_cpu_linear)
+from kernels import cpu_native
 
 
-def test_onednn_packing_is_available_here() -> None:
-    # The CPU default depends on it; a torch build without oneDNN would silently fall back.
+def test_fast_paths_are_available_here() -> None:
+    # The CPU default depends on them; a machine without gcc / AVX2 or a torch build without
+    # oneDNN would silently fall back to a slower path.
+    assert cpu_native.linear_available()
     assert onednn_packing_available()
+    assert resolve_cpu_linear("auto", float32_on_cpu=True) == "native"
+    assert resolve_cpu_linear("auto", float32_on_cpu=False) == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        resolve_cpu_linear("native", float32_on_cpu=False)
+
+
+def test_pack_panels_layout() -> None:
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)   # 20 outputs: 2 panels, 12 padding columns
+    packed = pack_panels(weight)
+    assert packed.shape == (2, 3, 16)
+    assert torch.equal(packed[0, :, 5], weight[5]) and torch.equal(packed[1, :, 3], weight[19])
+    assert not packed[1, :, 4:].any()
+
+
+# Row counts cover every tile height (1-6) and the row blocks of 48; sizes cover partial
+# panels (17, 20 outputs), odd inner sizes and SmolLM2's shapes.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 49, 100])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (33, 17), (1536, 20), (8, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_matches_f_linear(rows: int, in_features: int, out_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layer = NativeLinear(weight, b)
+    x = torch.randn(rows, in_features, generator=gen)
+    tolerance = {"atol": 2e-5 * in_features ** 0.5, "rtol": 1e-5}
+    torch.testing.assert_close(layer(x), F.linear(x, weight, b), **tolerance)
+    # Rows with a stride (a slice of a wider activation, as SiLU(gate) * up is), and NaN
+    # beside them that must not leak in.
+    wide = torch.full((rows, 2 * in_features + 3), float("nan"))
+    wide[:, 3:3 + in_features] = x
+    torch.testing.assert_close(layer(wide[:, 3:3 + in_features]), F.linear(x, weight, b), **tolerance)
+    # Leading dimensions are kept.
+    assert layer(x.view(1, rows, in_features)).shape == (1, rows, out_features)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])
@@ -57,13 +95,12 @@ def test_replace_linears_replaces_every_linear_below() -> None:
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
 
-def test_engine_tokens_do_not_depend_on_packing(model_dir: Path, prose_ids: list[int]) -> None:
+def test_engine_tokens_do_not_depend_on_the_linear_path(model_dir: Path, prose_ids: list[int]) -> None:
     prompts = [prose_ids[:5], prose_ids[40:140], prose_ids[300:331]]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     results = []
-    for packing in (True, False):
-        engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, cpu_weight_packing=packing))
-        layer = engine.runner.model.model.layers[0].mlp.down_proj
-        assert isinstance(layer, PackedLinear) == packing
+    for choice, layer_type in (("native", NativeLinear), ("onednn", PackedLinear), ("torch", nn.Linear)):
+        engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, cpu_linear=choice))
+        assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, layer_type)
         results.append([o.token_ids for o in engine.generate(prompts, params)])
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]

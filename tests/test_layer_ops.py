@@ -1,0 +1,114 @@
+"""The fused CPU layer ops (kernels/csrc/layer_ops.c) against the torch code they replace:
+``RMSNorm`` after a residual add, and ``apply_rope`` + ``reshape_and_cache_reference``
+(backend/model.py, kernels/reference.py), then a whole model's logits with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.model import CausalLM, ModelArchitecture, RMSNorm, apply_rope
+from kernels import cpu_native
+from kernels.reference import reshape_and_cache_reference
+
+
+@pytest.fixture(autouse=True)
+def library_builds() -> None:
+    assert cpu_native.load() is not None, "the C kernels must build here (gcc is part of the machine)"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("hidden", [7, 64, 576])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_residual_add_then_rmsnorm(rows: int, hidden: int, with_delta: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden)
+    residual = torch.randn(rows, hidden, generator=gen) * 3
+    delta = torch.randn(rows, hidden, generator=gen) if with_delta else None
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    expected_residual = residual + delta if with_delta else residual.clone()
+    with torch.no_grad():
+        expected = norm(expected_residual)
+    out = torch.full_like(residual, float("nan"))
+    cpu_native.add_rms_norm(residual, delta, norm.weight.detach(), out, 1e-5)
+    assert torch.equal(residual, expected_residual)          # the same float32 add
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 8), (4, 1, 128)])
+@pytest.mark.parametrize("row_padding", [0, 5])
+def test_rope_and_cache_matches_rope_then_cache_write(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                       row_padding: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads * head_dim + row_padding)
+    tokens, num_blocks, block_size = 11, 6, 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    # Rows may have a stride (row_padding extra columns, NaN, that must stay untouched).
+    storage = torch.full((tokens, width + row_padding), float("nan"))
+    storage[:, :width] = torch.randn(tokens, width, generator=gen)
+    qkv = storage[:, :width]
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    # Distinct slots in a permuted order; two tokens are padding (slot -1: not written).
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[3, 7]] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    ref_key, ref_value = key_cache.clone(), value_cache.clone()
+
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    ref_qk = apply_rope(qkv[:, :q_size + kv_size].reshape(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
+    ref_v = qkv[:, q_size + kv_size:].reshape(tokens, num_kv_heads, head_dim).clone()
+    reshape_and_cache_reference(ref_qk[:, num_heads:], ref_v, ref_key, ref_value, slots)
+
+    cpu_native.rope_and_cache(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
+    rotated = qkv[:, :q_size + kv_size].reshape(tokens, num_heads + num_kv_heads, head_dim)
+    torch.testing.assert_close(rotated, ref_qk, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, q_size + kv_size:].reshape(tokens, num_kv_heads, head_dim), ref_v)  # v untouched
+    torch.testing.assert_close(key_cache, ref_key, atol=1e-6, rtol=1e-6, equal_nan=True)
+    assert torch.equal(value_cache.isnan(), ref_value.isnan())            # padding slots stay unwritten
+    torch.testing.assert_close(value_cache, ref_value, equal_nan=True, atol=0, rtol=0)
+    if row_padding:
+        assert storage[:, width:].isnan().all()
+
+
+def test_model_logits_with_and_without_fused_ops() -> None:
+    """A tiny random Llama, one packed step of a prefill chunk and decode rows: the fused
+    decoder loop gives the logits of the torch loop."""
+    from backend.model import AttentionMetadata
+
+    arch = ModelArchitecture(model_type="llama", vocab_size=300, hidden_size=96, intermediate_size=160,
+                             num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                             rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+                             tie_word_embeddings=True, qkv_bias=False, qk_norm=False, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = CausalLM(arch, attention_backend="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape) * (0.2 if not name.endswith("norm.weight") else 1.0))
+    model.inv_freq = model.inv_freq.float()
+    block_size, num_blocks = 4, 16
+    # Sequence 0: a 6-token chunk at positions 3..8 over 3 cached tokens; sequences 1, 2: decodes.
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 6, 8], dtype=torch.int32)
+    positions = torch.tensor([3, 4, 5, 6, 7, 8, 5, 7])
+    table_of = [0] * 6 + [1, 2]
+    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
+                          for s, p in zip(table_of, positions.tolist())])
+    meta = AttentionMetadata(positions=positions, slot_mapping=slots,
+                             query_start_loc=torch.tensor([0, 6, 7, 8], dtype=torch.int32), seq_lens=seq_lens,
+                             block_tables=tables, logits_indices=torch.tensor([5, 6, 7]), max_query_len=6,
+                             max_seq_len=9)
+    input_ids = torch.randint(0, 300, (8,))
+    logits = {}
+    for fused in (False, True):
+        assert model.use_fused_cpu_ops(fused) == fused
+        gen = torch.Generator().manual_seed(1)
+        caches = [(torch.randn(num_blocks, block_size, 2, 16, generator=gen),
+                   torch.randn(num_blocks, block_size, 2, 16, generator=gen)) for _ in range(3)]
+        with torch.inference_mode():
+            logits[fused] = model(input_ids, meta, caches)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
