@@ -10,7 +10,7 @@
  * (cpu_linear.py), into panels of NR = 16 output columns, [ceil(n / 16)][k][16], zero-padded
  * past n, so the inner loop reads 64 contiguous bytes per k. A tile of MR = 6 rows x 16 columns keeps its 12 accumulators in
  * AVX2 registers for the whole k loop: per k, two loads of the panel, six broadcasts of x and
- * twelve FMAs. Panels are split across OpenMP threads (torch's pool: the library links the
+ * twelve FMAs. Panels are shared out to OpenMP threads (torch's pool: the library links the
  * libgomp torch already loaded); every tile of a panel reuses it from L2. Rows are taken MC
  * at a time so that a long prefill's rows stay in cache while the weights stream past.
  * Accumulation is sequential in k with FMA: float32 throughout, like F.linear up to
@@ -85,8 +85,12 @@ void linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *
 #pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
-        /* nowait: row blocks write disjoint rows, so a thread may start the next one early. */
-#pragma omp for schedule(static) nowait
+        /* guided: large contiguous runs of panels first (as fast as static here), smaller ones at
+         * the end, so that a thread the OS preempts (a served step shares 2 cores with Triton's
+         * and the client's threads) does not leave the other waiting at the barrier; dynamic
+         * chunks of 1-8 panels measured 7-30% slower. nowait: row blocks write disjoint rows,
+         * so a thread may start the next one early. */
+#pragma omp for schedule(guided) nowait
         for (int64_t p = 0; p < panels; ++p) {
             const float *panel = packed + p * k * NR;
             const float *panel_bias = bias != NULL ? bias + p * NR : NULL;
