@@ -1,6 +1,7 @@
-"""The GPU benchmark scripts run end to end in their --smoke mode (tiny shapes; on CPU the
-kernels run in Triton's interpreter), so they cannot rot between GPU runs. Their figures
-are meaningless here; the real ones are in docs/benchmarks.md."""
+"""The benchmark scripts run end to end, so they cannot rot between runs: the GPU ones in
+their --smoke mode (tiny shapes; on CPU the kernels run in Triton's interpreter), the CPU
+matmul comparison on two row counts. Their figures are meaningless here; the real ones are
+in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ def test_benchmark_smoke(module: str, expect: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert expect in done.stdout
     assert "device:" in done.stdout
+
+
+def test_cpu_linear_benchmark_runs() -> None:
+    """The CPU matmul comparison (docs/benchmarks.md) runs every path on the model's shapes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_linear", "--rows", "1,7", "--rounds", "1"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| native ms | onednn ms | torch ms |" in done.stdout
+    assert done.stdout.count("x |") == 2      # one speed-up per row count

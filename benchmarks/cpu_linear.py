@@ -1,0 +1,75 @@
+"""Every projection of a model, as one decode step runs them, through each CPU linear path.
+
+The model's 4 projections per layer and its LM head, with distinct random weights so that
+they stream from DRAM as in a real step, are run at several row counts (one row per
+decoding sequence) through ``native`` (our kernel), ``onednn`` (prepacked) and ``torch``
+(``F.linear``, the reference). Paths alternate round by round and the best round counts:
+the machines are shared and their speed drifts.
+
+    python -m benchmarks.cpu_linear --rows 1,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backend.config import EngineConfig
+from backend.cpu_linear import NativeLinear, PackedLinear, onednn_packing_available
+from backend.model import ModelArchitecture
+from benchmarks.step_cost import cpu_name
+from kernels import cpu_native
+
+
+def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every matmul of a decode step, in order."""
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    layer = [(arch.hidden_size, qkv), (arch.num_heads * arch.head_dim, arch.hidden_size),
+             (arch.hidden_size, 2 * arch.intermediate_size), (arch.intermediate_size, arch.hidden_size)]
+    return layer * arch.num_layers + [(arch.hidden_size, arch.vocab_size)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EngineConfig.model)
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--paths", default="native,onednn,torch")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
+    weights = [torch.randn(n, k) * 0.02 for k, n in shapes]
+    makers = {"native": NativeLinear, "onednn": PackedLinear}
+    available = {"native": cpu_native.linear_available(), "onednn": onednn_packing_available(), "torch": True}
+    layers: dict[str, list] = {}
+    for path in args.paths.split(","):
+        if not available[path]:
+            print(f"{path}: not available here, skipped")
+            continue
+        layers[path] = weights if path == "torch" else [makers[path](w, None) for w in weights]
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, {len(shapes)} matmuls per step, "
+          f"{sum(k * n for k, n in shapes) * 4 / 1e6:.0f} MB of float32 weights")
+    print("| rows | " + " | ".join(f"{p} ms" for p in layers) + " | native speed-up over onednn |")
+    print("|---" * (len(layers) + 2) + "|")
+    with torch.inference_mode():
+        for rows in [int(r) for r in args.rows.split(",")]:
+            inputs = {k: torch.randn(rows, k) for k in {k for k, _ in shapes}}
+            best = {path: float("inf") for path in layers}
+            for _ in range(args.rounds):
+                for path, stack in layers.items():
+                    start = time.perf_counter()
+                    for (k, _), layer in zip(shapes, stack):
+                        if path == "torch":
+                            F.linear(inputs[k], layer)
+                        else:
+                            layer(inputs[k])
+                    best[path] = min(best[path], time.perf_counter() - start)
+            ratio = (f"{best['onednn'] / best['native']:.2f}x" if "native" in best and "onednn" in best else "")
+            print(f"| {rows} | " + " | ".join(f"{best[p] * 1e3:.1f}" for p in layers) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
