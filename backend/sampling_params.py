@@ -71,6 +71,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0       # [-2, 2]
     priority: int = 0                    # lower value is served first (scheduling_policy="priority")
     logprobs: int | None = None          # top-n logprobs per generated token (0 = sampled token only)
+    # Accepted for OpenAI-style clients (Triton's OpenAI frontend always sends n, and best_of
+    # for completions), with their only supported value: one sequence per request.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # JSON clients send null for "none" (OpenAI style); a single stop string is allowed too.
@@ -160,5 +164,9 @@ class SamplingParams:
             fail("priority", "an integer in [-2**63, 2**63)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             fail("logprobs", "an integer in [0, 20] or null")
+        if not _is_int(self.n) or self.n != 1:
+            fail("n", "1 (one sequence per request; send n requests for n completions)")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != 1):
+            fail("best_of", "1 or null (one sequence per request)")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             setattr(self, name, float(getattr(self, name)))

@@ -59,7 +59,7 @@ json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_valu
                 | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20) | edge_values)
 json_values = st.recursive(json_scalars, lambda children: st.lists(children, max_size=4)
                            | st.dictionaries(st.text(max_size=8), children, max_size=3), max_leaves=8)
-param_names = sorted(SamplingParams.field_names()) + ["max_tokens\x00", "best_of", ""]
+param_names = sorted(SamplingParams.field_names()) + ["max_tokens\x00", "beam_width", ""]
 # Mostly small valid-looking values, so that many requests pass validation and really run.
 plausible = {"max_tokens": st.integers(1, 8), "temperature": st.sampled_from([0.0, 0.7, 1.0]),
              "seed": st.integers(0, 2**63 - 1), "top_k": st.integers(-1, 60000), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3)}

@@ -273,6 +273,52 @@ def test_bad_request_gets_a_clear_error_and_others_keep_streaming(case: str, cli
     assert healthy.get("text") == expected, f"parallel stream disturbed by {case}: {healthy}"
 
 
+def openai_frontend_inputs(prompt: str, stream: bool, sampling: dict) -> list[grpcclient.InferInput]:
+    """Exactly the tensors Triton's OpenAI frontend (python/openai, ``--backend vllm``) builds
+    for a completion: names, dtypes, shapes, and a JSON with the keys it always sends."""
+    return [text_input(prompt.encode()), tensor("stream", np.array([stream]), "BOOL"),
+            tensor("exclude_input_in_output", np.array([True]), "BOOL"), params_input(json.dumps(sampling)),
+            tensor("return_num_input_tokens", np.array([True]), "BOOL"),
+            tensor("return_num_output_tokens", np.array([True]), "BOOL")]
+
+
+# What the frontend's request models dump with exclude_none (chat completions omit best_of).
+OPENAI_FRONTEND_SAMPLING = {"best_of": 1, "frequency_penalty": 0.0, "ignore_eos": False, "n": 1,
+                            "presence_penalty": 0.0, "temperature": 0.0, "top_p": 1.0, "max_tokens": 12}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_openai_frontend_request_is_served(stream: bool, server: TritonServer, engine: Engine) -> None:
+    prompt = "The capital of France is"
+    expected = engine.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0]
+    results, errors = raw_request(server, openai_frontend_inputs(prompt, stream, OPENAI_FRONTEND_SAMPLING))
+    assert not errors, errors
+    texts = [r.as_numpy("text_output") for r in results if r.as_numpy("text_output") is not None]
+    assert b"".join(t[0] for t in texts).decode() == expected.text
+    # The frontend reads both counts as UINT32 from every response and sums the output counts.
+    outputs = [r.as_numpy("num_output_tokens") for r in results if r.as_numpy("num_output_tokens") is not None]
+    inputs = [r.as_numpy("num_input_tokens") for r in results if r.as_numpy("num_input_tokens") is not None]
+    assert all(o.dtype == np.uint32 for o in outputs + inputs)
+    assert sum(int(o[0]) for o in outputs) == len(expected.token_ids)
+    assert {int(i[0]) for i in inputs} == {expected.num_prompt_tokens}
+    if not stream:   # one response with the whole text (the frontend accepts at most 2, the last final)
+        assert len(texts) == 1 and len(results) <= 2
+
+
+def test_openai_frontend_n_above_one_is_invalid_arg(server: TritonServer) -> None:
+    results, errors = raw_request(server, openai_frontend_inputs("Hello", True, {**OPENAI_FRONTEND_SAMPLING, "n": 2}))
+    assert not results and len(errors) == 1
+    assert "n: must be 1" in str(errors[0])
+    # Over HTTP the same request gets the code as a status: INVALID_ARG is 400.
+    body = {"text_input": "Hello", "stream": False, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({**OPENAI_FRONTEND_SAMPLING, "n": 2}),
+            "return_num_input_tokens": True, "return_num_output_tokens": True}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400 and "n: must be 1" in json.loads(info.value.read())["error"]
+
+
 def test_error_codes_are_invalid_arg(server: TritonServer) -> None:
     """The HTTP status carries the Triton code: INVALID_ARG is 400."""
     body = {"text_input": "Hi", "sampling_parameters": json.dumps({"max_tokens": -1})}

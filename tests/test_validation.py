@@ -114,8 +114,17 @@ def test_from_dict_rejects_unknown_keys_naming_them() -> None:
     assert info.value.field == "max_token"
     assert "max_token" in str(info.value)
     with pytest.raises(InvalidRequestError) as info:
-        SamplingParams.from_dict({"best_of": 2})
-    assert "best_of" in str(info.value)
+        SamplingParams.from_dict({"beam_width": 2})
+    assert "beam_width" in str(info.value)
+
+
+@pytest.mark.parametrize("name,bad", [("n", 2), ("n", 0), ("n", "1"), ("best_of", 2), ("best_of", 1.0)])
+def test_only_one_sequence_per_request(name: str, bad: Any) -> None:
+    # OpenAI-style clients always send n (and best_of): 1 is accepted, anything else named.
+    assert SamplingParams.from_dict({"n": 1, "best_of": 1}).n == 1
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams.from_dict({name: bad})
+    assert info.value.field == name
 
 
 @pytest.mark.parametrize("values", [None, [("max_tokens", 4)], "max_tokens=4", 4])
