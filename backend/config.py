@@ -12,6 +12,8 @@ from typing import Any, Literal
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 # KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# CPU float32 linear layers (backend/cpu_linear.py resolves "auto").
+CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 
 
 @dataclass
@@ -94,8 +96,7 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               "max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
         check(self.quantization in ("none", "int8"), "quantization must be none or int8")
-        check(self.cpu_linear in ("auto", "native", "onednn", "torch"),
-              "cpu_linear must be auto, native, onednn or torch")
+        check(self.cpu_linear in CPU_LINEAR_CHOICES, f"cpu_linear must be one of {CPU_LINEAR_CHOICES}")
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from backend.config import CPU_LINEAR_CHOICES
 from kernels import cpu_native
 
-CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 PANEL_WIDTH = 16    # output columns per packed panel: NR in kernels/csrc/linear_f32.c
 
 

@@ -163,10 +163,18 @@ class Attention(nn.Module):
             cpu_native.rope_and_cache(qkv, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
                                       self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
-            o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                        meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
-                                        backend=self.attention_backend, plan=plan)
-            return self.o_proj(o.reshape(-1, self.q_size))
+        else:
+            q = self._rope_and_cache(qkv, cos, sin, key_cache, value_cache, meta, plan)
+        o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                    meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
+                                    backend=self.attention_backend, plan=plan)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, meta: AttentionMetadata,
+                        plan: kernels.CpuAttentionPlan | None) -> torch.Tensor:
+        """The torch path (the reference of the fused one): q/k norms, RoPE, K/V written to the
+        cache. Returns q [tokens, num_heads, head_dim]."""
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k rotated as one tensor of num_heads + num_kv_heads heads: half the ops.
@@ -180,10 +188,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=self.attention_backend,
                                   plan=plan)
-        o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
-                                    backend=self.attention_backend, plan=plan)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return q
 
 
 class MLP(nn.Module):
