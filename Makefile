@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup model serve test loadtest loadtest-compare soak clean-model
+.PHONY: setup setup-cluster model serve cluster test loadtest loadtest-compare soak clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -18,6 +18,22 @@ $(SETUP_STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[convert,test,loadtest,kernels]"
 	touch $@
+
+# HAProxy and Prometheus for `make cluster` and its tests (docs/scaling.md), from the system's
+# packages where they are missing; elsewhere install them yourself (the message says how).
+CLUSTER_BINARIES := haproxy prometheus
+setup-cluster:
+	@missing=""; for b in $(CLUSTER_BINARIES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			echo "installing$$missing"; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null \
+			|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; }; \
+		else \
+			echo "missing:$$missing. Install them (Debian/Ubuntu: apt-get install -y$$missing; Fedora: dnf install haproxy" \
+			     "and Prometheus's release binary; macOS: brew install haproxy prometheus)"; exit 1; \
+		fi; \
+	fi
 
 model: $(MODEL_DIR)/model.safetensors
 
@@ -31,7 +47,13 @@ $(MODEL_DIR)/model.safetensors: | $(SETUP_STAMP)
 serve: setup model
 	$(PY) -m server.launch
 
-test: setup model
+# N replicas (REPLICAS=2) on 127.0.0.1 behind HAProxy with prefix-affinity routing: HTTP 9000,
+# gRPC 9001, HAProxy stats 9002, replica i on 9100+10i.. (BASE_PORT=9000). Optional:
+# BALANCE=roundrobin, PROMETHEUS=1 (Prometheus on 9090). docs/scaling.md.
+cluster: setup model setup-cluster
+	$(PY) -m server.cluster $(if $(BALANCE),--balance $(BALANCE)) $(if $(PROMETHEUS),--prometheus)
+
+test: setup model setup-cluster
 	$(PY) -m pytest -q tests
 
 # Locust load test (docs/loadtest.md): a headless seeded mix against the server at SERVER
@@ -39,10 +61,12 @@ test: setup model
 # the summary table; exits non-zero on failed requests or SLO misses. Optional:
 # PROFILE=cpu|smoke|full USERS=8 DURATION=3m RATE=2 (open loop, req/s) TAGS=chat,rag
 # SERVER=127.0.0.1:8001 METRICS_URL=http://127.0.0.1:8002/metrics SEED=0 LOADTEST_ARGS=...
+# Against `make cluster`: SERVER=127.0.0.1:9001 PREFIX_KEY=1 (replica metrics are found by
+# themselves; the report gains a per-replica view).
 # Defaults live in loadtest/profiles.py.
 LOADTEST_OPTS = $(if $(PROFILE),--profile $(PROFILE)) $(if $(USERS),--users $(USERS)) \
 	$(if $(DURATION),--duration $(DURATION)) $(if $(RATE),--rate $(RATE)) $(if $(TAGS),--tags $(TAGS)) \
-	$(if $(SEED),--seed $(SEED)) $(LOADTEST_ARGS)
+	$(if $(SEED),--seed $(SEED)) $(if $(PREFIX_KEY),--prefix-key) $(LOADTEST_ARGS)
 
 loadtest: setup model
 	$(PY) -m loadtest run $(LOADTEST_OPTS) $(if $(SERVER),--host $(SERVER)) $(if $(METRICS_URL),--metrics-url $(METRICS_URL))

@@ -1,7 +1,7 @@
 """Command line: stream a completion from the Triton-served model.
 
     python -m client "Why is static batching slow?" --max-tokens 64 [--temperature 0.7]
-                     [--no-stream] [--http] [--chat] [--url HOST:PORT]
+                     [--no-stream] [--http] [--chat] [--url HOST:PORT] [--prefix-key KEY]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-dir", type=Path, default=DEFAULT_TOKENIZER_DIR)
     parser.add_argument("--url", default=None, help=f"server address (gRPC {DEFAULT_GRPC_URL}, HTTP {DEFAULT_HTTP_URL})")
     parser.add_argument("--model", default="llm")
+    parser.add_argument("--prefix-key", default=None,
+                        help="x-prefix-key for the cluster's proxy: requests with the same key go to the same replica")
     args = parser.parse_args(argv)
 
     prompt = apply_chat_template(args.prompt, args.tokenizer_dir) if args.chat else args.prompt
@@ -45,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         sampling["seed"] = args.seed
     try:
         if args.http:
-            chunks = http_generate_stream(prompt, url=args.url or DEFAULT_HTTP_URL, model=args.model, **sampling)
+            chunks = http_generate_stream(prompt, url=args.url or DEFAULT_HTTP_URL, model=args.model,
+                                          prefix_key=args.prefix_key, **sampling)
         else:
-            chunks = LLMClient(args.url or DEFAULT_GRPC_URL, args.model).stream(prompt, **sampling)
+            chunks = LLMClient(args.url or DEFAULT_GRPC_URL, args.model).stream(prompt, prefix_key=args.prefix_key,
+                                                                                **sampling)
         pieces, final = [], None
         for chunk in chunks:
             pieces.append(chunk.text)

@@ -6,10 +6,16 @@
 - ``LLMClient.stream_many(prompts, ...)``: many concurrent requests multiplexed over one
   gRPC stream (one connection), chunks tagged with their request id.
 - ``http_generate_stream(...)``: the same deltas over HTTP server-sent events.
+
+Behind the cluster's proxy (server/cluster.py, docs/scaling.md), ``prefix_key=...`` sends
+``x-prefix-key`` (HTTP header, gRPC metadata): requests with the same key go to the same
+replica, whose prefix cache then holds their shared prefix. ``prefix_key_for(text)`` makes
+one from a shared prefix such as a system prompt.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import queue
@@ -30,6 +36,19 @@ RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_o
                 "return_num_cached_tokens")
 
 
+PREFIX_KEY_HEADER = "x-prefix-key"
+
+
+def prefix_key_for(text: str) -> str:
+    """A routing key for requests that share ``text`` as their prefix (a system prompt, a
+    document): short, and safe in a header whatever the text holds."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def routing_headers(prefix_key: str | None) -> dict[str, str]:
+    return {PREFIX_KEY_HEADER: prefix_key} if prefix_key else {}
+
+
 class LLMError(Exception):
     """The server ended a request with an error (message as Triton sent it)."""
 
@@ -44,6 +63,7 @@ class StreamChunk:
     num_input_tokens: int | None = None
     num_cached_tokens: int | None = None
     finish_message: str | None = None   # why the server cut it short (shutdown drain)
+    served_by: str | None = None        # behind the cluster's proxy (HTTP): the replica's name
 
 
 @dataclass
@@ -117,10 +137,14 @@ class _IdAwareStream(_InferStream):
 class _Connection:
     """One gRPC channel with one bidirectional stream; responses routed by request id."""
 
-    def __init__(self, url: str, on_response: Callable[[str | None, Any, LLMError | None], None]) -> None:
+    def __init__(self, url: str, on_response: Callable[[str | None, Any, LLMError | None], None],
+                 headers: dict[str, str] | None = None) -> None:
         self.client = grpcclient.InferenceServerClient(url)
         self.client._stream = _IdAwareStream(on_response, False)
-        iterator = self.client._client_stub.ModelStreamInfer(_RequestIterator(self.client._stream))
+        # Metadata goes with the stream's opening (one HTTP/2 request): a proxy routes the
+        # whole stream, every request on it, by it.
+        iterator = self.client._client_stub.ModelStreamInfer(_RequestIterator(self.client._stream),
+                                                             metadata=tuple((headers or {}).items()) or None)
         self.client._stream._init_handler(iterator)
 
     def send(self, model: str, request_id: str, inputs: list[grpcclient.InferInput]) -> None:
@@ -136,10 +160,11 @@ class _Connection:
 class CompletionStream:
     """Iterate for StreamChunks; ``cancel()`` (or breaking out of the loop) cancels the request."""
 
-    def __init__(self, url: str, model: str, request_id: str, inputs: list[grpcclient.InferInput]) -> None:
+    def __init__(self, url: str, model: str, request_id: str, inputs: list[grpcclient.InferInput],
+                 headers: dict[str, str] | None = None) -> None:
         self.request_id = request_id
         self._queue: queue.Queue[tuple[Any, LLMError | None]] = queue.Queue()
-        self._connection = _Connection(url, lambda rid, result, error: self._queue.put((result, error)))
+        self._connection = _Connection(url, lambda rid, result, error: self._queue.put((result, error)), headers)
         self._done = False
         self._connection.send(model, request_id, inputs)
 
@@ -175,12 +200,13 @@ class LLMClient:
     def _next_id(self) -> str:
         return f"client-{id(self):x}-{next(self._ids)}"
 
-    def stream(self, prompt: str | list[int], request_id: str | None = None, **sampling: Any) -> CompletionStream:
+    def stream(self, prompt: str | list[int], request_id: str | None = None, prefix_key: str | None = None,
+               **sampling: Any) -> CompletionStream:
         return CompletionStream(self.url, self.model, request_id or self._next_id(),
-                                build_inputs(prompt, sampling, stream=True))
+                                build_inputs(prompt, sampling, stream=True), routing_headers(prefix_key))
 
-    def generate(self, prompt: str | list[int], **sampling: Any) -> Completion:
-        chunks = list(self.stream(prompt, **sampling))
+    def generate(self, prompt: str | list[int], prefix_key: str | None = None, **sampling: Any) -> Completion:
+        chunks = list(self.stream(prompt, prefix_key=prefix_key, **sampling))
         final = chunks[-1]
         return Completion(text="".join(c.text for c in chunks), finish_reason=final.finish_reason,
                           num_input_tokens=final.num_input_tokens,
@@ -188,17 +214,20 @@ class LLMClient:
                           num_cached_tokens=final.num_cached_tokens)
 
     def stream_many(self, prompts: Iterable[str | list[int]], sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
-                    request_ids: list[str] | None = None) -> Iterator[StreamChunk | tuple[str, LLMError]]:
+                    request_ids: list[str] | None = None,
+                    prefix_key: str | None = None) -> Iterator[StreamChunk | tuple[str, LLMError]]:
         """Send every prompt at once over one stream (one connection) and yield chunks, or
         (request_id, error), in arrival order until every request has ended. ``sampling`` is
-        one dict for all prompts or one dict per prompt."""
+        one dict for all prompts or one dict per prompt. Behind a proxy the stream, and so
+        every prompt on it, goes to one replica (the one ``prefix_key`` maps to)."""
         prompts = list(prompts)
         per_request = sampling if isinstance(sampling, list) else [sampling or {}] * len(prompts)
         ids = request_ids or [self._next_id() for _ in prompts]
         if not len(per_request) == len(ids) == len(prompts):
             raise ValueError("need one sampling dict and one request id per prompt")
         events: queue.Queue[tuple[str | None, Any, LLMError | None]] = queue.Queue()
-        connection = _Connection(self.url, lambda rid, result, error: events.put((rid, result, error)))
+        connection = _Connection(self.url, lambda rid, result, error: events.put((rid, result, error)),
+                                 routing_headers(prefix_key))
         pending: set[str] = set()
         try:
             for request_id, prompt, params in zip(ids, prompts, per_request):
@@ -224,13 +253,16 @@ class LLMClient:
 
 
 def http_generate_stream(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = DEFAULT_MODEL,
-                         timeout: float = 600.0, **sampling: Any) -> Iterator[StreamChunk]:
+                         timeout: float = 600.0, prefix_key: str | None = None,
+                         **sampling: Any) -> Iterator[StreamChunk]:
     """Triton's HTTP generate_stream (server-sent events): one event per response."""
     body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
             "sampling_parameters": json.dumps(sampling), **{flag: True for flag in RETURN_FLAGS}}
     request = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **routing_headers(prefix_key)})
     with urllib.request.urlopen(request, timeout=timeout) as response:
+        served_by = response.headers.get("x-served-by")
         for raw in response:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
@@ -243,4 +275,4 @@ def http_generate_stream(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = 
                               final=event.get("finish_reason") is not None,
                               finish_reason=event.get("finish_reason"),
                               num_input_tokens=event.get("num_input_tokens"),
-                              num_cached_tokens=event.get("num_cached_tokens"))
+                              num_cached_tokens=event.get("num_cached_tokens"), served_by=served_by)

@@ -59,6 +59,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="engine parameter for a server the load test starts")
     parser.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish at the end")
+    parser.add_argument("--prefix-key", action="store_true",
+                        help="send x-prefix-key so that a proxy keeps each shared-prefix group on one replica")
     add_slo_options(parser)
 
 
@@ -68,7 +70,7 @@ def options_from(args: argparse.Namespace, argv: list[str]) -> LoadOptions:
                        rate=args.rate, tags=args.tags, seed=args.seed, run_dir=args.run_dir,
                        server=getattr(args, "server", "start"), params=dict(p.split("=", 1) for p in args.param),
                        drain_timeout_s=args.drain_timeout, slo=slo_from(args, PROFILES[args.profile].slo),
-                       command="python -m loadtest " + shlex.join(argv))
+                       command="python -m loadtest " + shlex.join(argv), prefix_key=args.prefix_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="one headless run against a server (started if none is up)")
     add_load_options(run)
     run.add_argument("--host", default=DEFAULT_HOST, help="the server's gRPC address")
-    run.add_argument("--metrics-url", help="default: http://<host>:8002/metrics")
+    run.add_argument("--metrics-url", help="default: http://<host>:8002/metrics, or every replica's when --host is "
+                                           "the proxy of `make cluster`; comma-separated for several servers")
     run.add_argument("--server", choices=("auto", "start", "existing"), default="auto",
                      help="auto: use the server at --host if it is up, else start one (and stop it after)")
     compare = sub.add_parser("compare", help="the same seeded mix against batching=continuous and =static")

@@ -14,7 +14,7 @@ from typing import Any
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from client.llm_client import build_inputs, parse_result
+from client.llm_client import build_inputs, parse_result, routing_headers
 from loadtest.records import CANCELLED, FAILED, INTERRUPTED, OK, RequestRecord
 from loadtest.workload import RequestSpec
 
@@ -38,14 +38,21 @@ def describe(error: BaseException) -> str:
 class UserStream:
     """A tritonclient client with (at most) one open bidirectional stream. A cancelled or
     broken stream is closed and the next request opens a fresh one: gRPC cancels a whole
-    stream, never a single request on it."""
+    stream, never a single request on it.
 
-    def __init__(self, url: str, model: str = "llm", request_timeout: float = 600.0) -> None:
+    With ``send_prefix_key`` a request's prefix key goes out as the stream's ``x-prefix-key``
+    metadata; a proxy routes a whole stream at its opening, so a request with another key
+    than the open stream's opens a new stream."""
+
+    def __init__(self, url: str, model: str = "llm", request_timeout: float = 600.0,
+                 send_prefix_key: bool = False) -> None:
         self.url, self.model, self.request_timeout = url, model, request_timeout
+        self.send_prefix_key = send_prefix_key
         self._client = grpcclient.InferenceServerClient(url)
         self._events: queue.Queue[tuple[float, Any, BaseException | None]] | None = None
+        self._stream_key: str | None = None
 
-    def _open(self) -> queue.Queue:
+    def _open(self, prefix_key: str | None) -> queue.Queue:
         events: queue.Queue = queue.Queue()
 
         def on_response(result: Any, error: BaseException | None) -> None:
@@ -53,8 +60,8 @@ class UserStream:
             # the user's greenlet gets round to it.
             events.put((time.time(), result, error))
 
-        self._client.start_stream(callback=on_response)
-        self._events = events
+        self._client.start_stream(callback=on_response, headers=routing_headers(prefix_key) or None)
+        self._events, self._stream_key = events, prefix_key
         return events
 
     def _close_stream(self, cancel: bool) -> None:
@@ -75,7 +82,10 @@ class UserStream:
         deadline = time.monotonic() + self.request_timeout
         record.sent_at = time.time()
         try:
-            events = self._events or self._open()
+            key = spec.prefix_key if self.send_prefix_key else None
+            if self._events is not None and key != self._stream_key:
+                self._close_stream(cancel=False)    # nothing in flight on it: one request at a time
+            events = self._events or self._open(key)
             # enable_empty_final_response: Triton marks the end of every stream, even when the
             # model's last response carried data or the model only sent the FINAL flag.
             self._client.async_stream_infer(self.model, build_inputs(spec.prompt, spec.sampling()),

@@ -71,6 +71,9 @@ def add_options(parser: Any) -> None:
     group.add_argument("--metrics-url", default="", help="Prometheus endpoint to sample during the run")
     group.add_argument("--scrape-interval", type=float, default=1.0)
     group.add_argument("--request-timeout", type=float, default=600.0)
+    group.add_argument("--prefix-key", action="store_true",
+                       help="send x-prefix-key (the shared-prefix scenario: its group's system-prompt hash) so that "
+                            "a proxy keeps each group on one replica (docs/scaling.md)")
 
 
 @dataclass
@@ -122,7 +125,8 @@ def on_test_start(environment: Environment, **_: Any) -> None:
     meta = {"started_at": time.time(), "host": environment.host, "profile": options.load_profile, "seed": options.seed,
             "rate": options.rate or None, "users": options.num_users, "run_time": options.run_time,
             "stop_timeout": environment.stop_timeout, "tags": options.tags, "exclude_tags": options.exclude_tags,
-            "model_dir": options.model_dir, "max_model_len": STATE.workload.max_model_len}
+            "model_dir": options.model_dir, "max_model_len": STATE.workload.max_model_len,
+            "prefix_key": options.prefix_key}
     (STATE.run_dir / "locust.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -179,7 +183,8 @@ class LLMUser(User):
         assert STATE is not None
         STATE.users += 1
         self.user_id = STATE.users
-        self.stream = UserStream(self.host, STATE.options.model_name, STATE.options.request_timeout)
+        self.stream = UserStream(self.host, STATE.options.model_name, STATE.options.request_timeout,
+                                 send_prefix_key=STATE.options.prefix_key)
 
     def on_stop(self) -> None:
         self.stream.close()

@@ -9,6 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from loadtest import plots
 from loadtest.analysis import GroupStats, Percentiles, Summary, summarize
@@ -101,12 +102,45 @@ def server_lines(samples: list[dict], meta: dict) -> list[str]:
                      f"peak KV usage {100 * max(s['kv_usage'] or 0 for s in rows):.0f}% of "
                      f"{first.get('kv_total') or 0:.0f} blocks, prefix-cache hit tokens {delta('prefix_hit_tokens'):.0f}, "
                      f"preemptions {delta('preemptions'):.0f}, generated tokens {delta('generation_tokens'):.0f}.")
+    lines += cluster_lines(rows)
     idle = meta.get("idle")
     if idle:
         lines.append(f"KV blocks used before the run {count(idle['before'])}, after it {count(idle['after'])} "
                      f"({'back to idle' if idle['before'] == idle['after'] else 'NOT back to idle'}).")
     if meta.get("server", {}).get("exit_code") is not None:
         lines.append(f"**tritonserver died during the run** (exit code {meta['server']['exit_code']}; see server.log).")
+    return lines
+
+
+def cluster_lines(rows: list[dict]) -> list[str]:
+    """Per-replica view of a run behind a proxy: where requests went, how often each replica's
+    prefix cache hit, how full its KV cache got (the samples' ``replicas`` rows)."""
+    per_url: dict[str, list[dict]] = {}
+    for row in rows:
+        for url, replica_row in (row.get("replicas") or {}).items():
+            per_url.setdefault(url, []).append(replica_row)
+    if not per_url:
+        return []
+    lines = ["", "Cluster view (each replica's /metrics, first to last scrape of the run):", "",
+             "| replica | requests finished | prefix-cache hit rate | peak KV usage | generated tokens | preemptions |",
+             "|---|---|---|---|---|---|"]
+    total_hit = total_queried = 0.0
+    for url, samples in sorted(per_url.items()):
+        first, last = samples[0], samples[-1]
+
+        def delta(key: str) -> float:
+            return (last.get(key) or 0) - (first.get(key) or 0)
+
+        hit, queried = delta("prefix_hit_tokens"), delta("prefix_queried_tokens")
+        total_hit, total_queried = total_hit + hit, total_queried + queried
+        name = urlsplit(url).netloc or url
+        lines.append(f"| {name} | {delta('finished_requests'):.0f} | "
+                     f"{_pct(hit / queried) if queried else '-'} ({hit:.0f} / {queried:.0f} tokens) | "
+                     f"{100 * max(s.get('kv_usage') or 0 for s in samples):.0f}% | {delta('generation_tokens'):.0f} | "
+                     f"{delta('preemptions'):.0f} |")
+    if total_queried:
+        lines += ["", f"Prefix-cache hit rate over the cluster: {_pct(total_hit / total_queried)} of "
+                      f"{total_queried:.0f} prompt tokens looked up."]
     return lines
 
 

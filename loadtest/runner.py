@@ -45,6 +45,7 @@ class LoadOptions:
     drain_timeout_s: float | None = None     # default: the profile's
     slo: SLO | None = None                   # default: the profile's
     command: str = ""                        # how the run was invoked, for the report
+    prefix_key: bool = False                 # send x-prefix-key (a proxy routes shared prefixes by it)
 
     @property
     def profile_def(self) -> Profile:
@@ -87,6 +88,17 @@ def model_ready(host: str, timeout: float = 3.0) -> bool:
         return False
 
 
+def running_cluster_metrics(grpc_host: str) -> str | None:
+    """Comma-separated metrics URLs of the replicas behind ``grpc_host`` when it is the proxy
+    of a cluster that `make cluster` runs (it leaves runs/cluster.json while it is up)."""
+    from server.cluster import read_cluster_state
+
+    state = read_cluster_state()
+    if state and state.get("grpc") == grpc_host:
+        return ",".join(state["metrics_urls"])
+    return None
+
+
 def machine_description() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -116,7 +128,9 @@ class ServerHandle:
             if opts.params:
                 print(f"note: a server is already up at {opts.host}; --param is ignored", file=sys.stderr)
             hostname = urlsplit(f"//{opts.host}").hostname or "127.0.0.1"
-            self.metrics_url = opts.metrics_url or f"http://{hostname}:{DEFAULT_METRICS_PORT}/metrics"
+            # The proxy of a cluster started by `make cluster`: every replica's metrics.
+            self.metrics_url = (opts.metrics_url or running_cluster_metrics(opts.host)
+                                or f"http://{hostname}:{DEFAULT_METRICS_PORT}/metrics")
             return self
         if opts.server == "existing":
             raise SystemExit(f"no server with a ready {MODEL!r} model at {opts.host}")
@@ -168,6 +182,8 @@ def locust_command(options: LoadOptions, host: str, metrics_url: str, run_dir: P
            "--metrics-url", metrics_url, "--exit-code-on-error", "0"]
     if options.rate:
         cmd += ["--rate", str(options.rate)]
+    if options.prefix_key:
+        cmd += ["--prefix-key"]
     if options.tags:
         cmd += ["--tags", *options.tags]
     return cmd

@@ -1,6 +1,10 @@
 """Scrape the server's Prometheus endpoint: one-off reads and a sampler that records the
 engine gauges over a run (for the running-requests and KV-cache plots and the idle check).
 
+Behind a proxy (server/cluster.py) the "URL" is a comma-separated list, one per replica: a
+sample then holds the cluster's sums (KV usage as used / total blocks over all replicas) and,
+under ``replicas``, each replica's own row (the load-test report's cluster view).
+
 Plain ``threading`` and ``urllib``: inside Locust both are gevent-patched, so the sampler is a
 greenlet there and a thread anywhere else.
 """
@@ -24,7 +28,9 @@ FAMILIES = {
     "generation_tokens": "llm_generation_tokens_total",
     "prompt_tokens": "llm_prompt_tokens_total",
     "prefix_hit_tokens": "llm_prefix_cache_hit_tokens_total",
+    "prefix_queried_tokens": "llm_prefix_cache_queried_tokens_total",
     "preemptions": "llm_num_preemptions_total",
+    "finished_requests": "llm_request_finished_total",
 }
 
 
@@ -50,11 +56,31 @@ def value(metrics: dict[str, float], family: str, **labels: str) -> float | None
     return sum(found) if found else None
 
 
-def sample(url: str) -> dict[str, float | None]:
+def metrics_urls(urls: str) -> list[str]:
+    return [u.strip() for u in urls.split(",") if u.strip()]
+
+
+def sample_one(url: str) -> dict[str, float | None]:
     metrics = scrape(url)
     row: dict[str, float | None] = {"t": time.time()}
     row.update({field: value(metrics, family) for field, family in FAMILIES.items()})
     return row
+
+
+def sample(urls: str) -> dict:
+    """One row of gauges and counters: a single server's, or a cluster's sums with each
+    replica's row under ``replicas`` (keyed by metrics URL)."""
+    rows = {url: sample_one(url) for url in metrics_urls(urls)}
+    if len(rows) == 1:
+        return next(iter(rows.values()))
+    total: dict = {"t": time.time()}
+    for field in FAMILIES:
+        present = [r[field] for r in rows.values() if r[field] is not None]
+        total[field] = sum(present) if present else None
+    if total["kv_used"] is not None and total["kv_total"]:
+        total["kv_usage"] = total["kv_used"] / total["kv_total"]
+    total["replicas"] = rows
+    return total
 
 
 def wait_until_idle(url: str, idle_kv_used: float = 0.0, timeout: float = 10.0) -> dict[str, float | None]:

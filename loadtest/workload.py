@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from client.llm_client import prefix_key_for
 from loadtest.profiles import Scenario
 from loadtest.prompts import PromptFactory
 
@@ -28,6 +29,7 @@ class RequestSpec:
     max_tokens: int
     priority: int = 0
     group: int | None = None  # shared-prefix group
+    prefix_key: str | None = None   # x-prefix-key for a proxy: the hash of the group's shared prefix
     cancel_after: int | None = None  # cancel once this many tokens arrived
 
     def sampling(self) -> dict[str, Any]:
@@ -81,7 +83,8 @@ class Workload:
         prompt = self.prompts.join(prefix_text, text) if prefix_text else text
         spec = RequestSpec(request_id=f"{scenario.name}-{self.seed}-{k}", scenario=scenario.name,
                            name=scenario.name, prompt=prompt, prompt_tokens=prefix_len + question,
-                           max_tokens=max_tokens, group=group)
+                           max_tokens=max_tokens, group=group,
+                           prefix_key=prefix_key_for(prefix_text) if prefix_text else None)
         if scenario.cancel_fraction:
             low, high = scenario.cancel_fraction
             spec.cancel_after = max(1, int(rng.integers(int(low * max_tokens), int(high * max_tokens) + 1)))

@@ -69,12 +69,18 @@ def backend_directory() -> Path:
     return target.parent
 
 
+# Read once at import: sysconfig fills its variables lazily and not thread-safely, so two
+# servers started from two threads could see LIBDIR missing, and the stub would then load the
+# system's libpython instead of this interpreter's.
+PYTHON_LIBDIR = sysconfig.get_config_var("LIBDIR") or ""
+
+
 def server_environment() -> dict[str, str]:
     _, libs = _pytriton_dirs()
     env = dict(os.environ)
     # The server and the stub need pytriton's bundled libraries; the stub embeds *this*
     # interpreter's libpython and must see this environment's packages and the repo.
-    lib_dirs = [str(libs), sysconfig.get_config_var("LIBDIR") or ""]
+    lib_dirs = [str(libs), PYTHON_LIBDIR]
     env["LD_LIBRARY_PATH"] = ":".join(p for p in lib_dirs + [env.get("LD_LIBRARY_PATH", "")] if p)
     # The stub ignores PYTHONPATH but resolves `python3` on PATH as its executable: putting this
     # interpreter's bin/ first makes site.py find the virtual environment (pyvenv.cfg).

@@ -41,7 +41,11 @@ HISTOGRAMS = {  # LatencySample.kind -> (name, description)
     "step": ("llm_engine_step_duration_seconds", "Duration of one engine iteration (schedule, forward pass, "
                                                  "sampling, outputs)"),
 }
+# The families TensorRT-LLM's Triton backend exports, under their names: load-aware routers
+# (the Gateway API inference extension's endpoint picker, Triton's ORCA header) read them for
+# "Triton TensorRT-LLM" servers, so they read ours without renaming (docs/scaling.md).
 TRTLLM_KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+TRTLLM_REQUEST_FAMILY = "nv_trt_llm_request_metrics"
 
 
 class EngineMetrics:
@@ -66,7 +70,10 @@ class EngineMetrics:
         # `endpoint-load-metrics` header (KV utilisation for load-aware routers) from it.
         kv_family = self._family(TRTLLM_KV_FAMILY, "KV cache block metrics", "GAUGE")
         self._kv_block = {kind: kv_family.Metric(labels={**self._labels, "kv_cache_block_type": kind})
-                          for kind in ("used", "free", "max", "tokens_per")}
+                          for kind in ("used", "free", "max", "tokens_per", "fraction")}
+        request_family = self._family(TRTLLM_REQUEST_FAMILY, "Request counts (TensorRT-LLM backend names)", "GAUGE")
+        self._requests = {kind: request_family.Metric(labels={**self._labels, "request_type": kind})
+                          for kind in ("waiting", "scheduled", "active")}
 
     def _family(self, name: str, description: str, kind: str) -> Any:
         family = self._pb.MetricFamily
@@ -107,6 +114,10 @@ class EngineMetrics:
         self._kv_block["free"].set(stats.kv_blocks_free)
         self._kv_block["max"].set(stats.kv_blocks_total)
         self._kv_block["tokens_per"].set(block_size)
+        self._kv_block["fraction"].set(stats.kv_usage)
+        self._requests["waiting"].set(stats.num_waiting)
+        self._requests["scheduled"].set(stats.num_running)
+        self._requests["active"].set(stats.num_waiting + stats.num_running)
         while samples:
             sample = samples.popleft()
             self._histograms[sample.kind].observe(sample.seconds)

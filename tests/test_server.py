@@ -353,6 +353,12 @@ def test_metrics_families_after_traffic(server: TritonServer, client: LLMClient)
     total = after[f"llm_kv_blocks_total{labels}"]
     assert after['nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="llm",version="1"}'] == total
     assert after['nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="llm",version="1"}'] == 16
+    # The names load-aware routers read for Triton (docs/scaling.md) carry the same values as ours.
+    assert after['nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="llm",version="1"}'] == \
+        after[f"llm_kv_cache_usage_ratio{labels}"]
+    for request_type, ours in (("waiting", "llm_num_requests_waiting"), ("scheduled", "llm_num_requests_running")):
+        assert after[f'nv_trt_llm_request_metrics{{model="llm",request_type="{request_type}",version="1"}}'] == \
+            after[f"{ours}{labels}"]
     assert wait_for(lambda: kv_used(server) == 0, 2)
     assert after[f"llm_kv_blocks_free{labels}"] + after[f"llm_kv_blocks_used{labels}"] == total
 
