@@ -45,6 +45,13 @@ class EngineConfig:
     cpu_fused_ops: bool = True                 # CPU float32: residual add + RMSNorm and RoPE + KV write
                                                # fused in C (kernels/csrc/layer_ops.c); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
+    # Speculative decoding (backend/speculative.py): drafts verified in the same packed step.
+    speculative_method: Literal["none", "ngram"] = "none"  # ngram: prompt lookup over the request's tokens
+    num_speculative_tokens: int = 5            # drafts per request and step, at most
+    prompt_lookup_min: int = 2                 # n-gram lengths matched against the request's own tokens:
+    prompt_lookup_max: int = 4                 # the longest match from max down to min wins
+    speculative_max_batch_size: int = 4        # no drafts in a step whose running batch is larger: a full
+                                               # batch is bound by compute, not by reading the weights
     seed: int = 0                              # engine-wide RNG for requests without a seed
     drain_timeout_s: float = 20.0              # serving: on shutdown or unload, how long requests in flight
                                                # may finish before they are aborted (the launcher sets
@@ -106,6 +113,11 @@ class EngineConfig:
         check(self.load_format in ("auto", "dummy"), "load_format must be auto or dummy")
         check(self.attention_backend in ("auto", "triton", "cpu", "reference"),
               "attention_backend must be auto, triton, cpu or reference")
+        check(self.speculative_method in ("none", "ngram"), "speculative_method must be none or ngram")
+        check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
+        check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              "prompt_lookup_min must be >= 1 and <= prompt_lookup_max")
+        check(self.speculative_max_batch_size >= 1, "speculative_max_batch_size must be >= 1")
 
 
 def _coerce(name: str, raw: Any, annotation: str) -> Any:

@@ -43,9 +43,26 @@ class EngineStats:
     num_steps: int
     prompt_tokens_total: int         # prompt tokens computed (prefill work, after cache hits)
     generation_tokens_total: int     # tokens generated
+    # Speculative decoding: drafts verified, drafts accepted, tokens emitted by steps that had
+    # drafts (accepted + one each), and how many (request, step) verifications there were.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_verifications: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per request and step that verified drafts (1 = no draft accepted)."""
+        return self.spec_emitted_tokens / self.spec_verifications if self.spec_verifications else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "spec_acceptance_rate": self.spec_acceptance_rate,
+                "spec_mean_accepted_length": self.spec_mean_accepted_length}
 
 
 def load_tokenizer(folder: str) -> Any:
@@ -83,6 +100,8 @@ class Engine:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
+                            "spec_verifications": 0}
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -154,21 +173,34 @@ class Engine:
         self.scheduler.update_after_step(sched, computed)
         self.num_steps += 1
         for row, request in enumerate(sampling):
+            drafts = sched.spec_token_ids.get(request.request_id)
+            if drafts:
+                self._count_speculation(request, len(drafts), len(sampled.token_ids[row]))
             try:
-                outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+                outputs.append(self._append_tokens(request, sampled.token_ids[row], sampled.logprobs[row]))
             except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
                 logger.exception("processing the token of %s failed", request.request_id)
                 outputs.append(self._fail_request(request, exc))
         return outputs
+
+    def _count_speculation(self, request: Request, num_drafts: int, num_emitted: int) -> None:
+        """The counter and blocks of a request that verified drafts: only accepted ones count."""
+        self.scheduler.finish_speculation(request, num_drafts, num_emitted - 1)
+        self.spec_counts["spec_draft_tokens"] += num_drafts
+        self.spec_counts["spec_accepted_tokens"] += num_emitted - 1
+        self.spec_counts["spec_emitted_tokens"] += num_emitted
+        self.spec_counts["spec_verifications"] += 1
 
     def _run_batch(self, requests: list[Request], sched: SchedulerOutput,
                    ) -> tuple[list[Request], SamplerOutput | None]:
         """Forward pass + sampling for ``requests`` (scheduled in ``sched``). Touches no
         scheduling state: only the K/V slots of these requests and the RNGs."""
         block_ids = {r.request_id: [b.block_id for b in self.kv_cache.blocks_of(r.request_id)] for r in requests}
-        input_ids, meta, sampling = self.runner.prepare(requests, sched.num_scheduled_tokens, block_ids)
+        input_ids, meta, sampling = self.runner.prepare(requests, sched.num_scheduled_tokens, block_ids,
+                                                        sched.spec_token_ids)
         logits = self.runner.execute(input_ids, meta)
-        return sampling, (self.sampler(logits, sampling) if sampling else None)
+        drafts = [sched.spec_token_ids.get(r.request_id, []) for r in sampling]
+        return sampling, (self.sampler(logits, sampling, drafts) if sampling else None)
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception, rng: list, outputs: list[RequestOutput],
                          ) -> tuple[list[Request], list[Request], SamplerOutput | None]:
@@ -240,35 +272,45 @@ class Engine:
                              num_output_tokens=request.num_output_tokens, finish_message=f"{type(error).__name__}: {error}",
                              _all_token_ids=request.token_ids)
 
-    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> RequestOutput:
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float] | None,
+                       ) -> RequestOutput:
+        """Append this step's tokens (more than one after accepted drafts) one by one, so
+        that EOS, stop ids, stop strings, min_tokens and max_tokens end the request exactly
+        where they would one token per step; tokens after the end are dropped."""
         params = request.sampling_params
-        request.append_token(token_id)
-        self.generation_tokens_total += 1
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
         detok = self._detokenizers[request.request_id]
         finish: str | None = None
         stop_reason: str | int | None = None
         delta = ""
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            finish, stop_reason = "stop", token_id
-        elif token_id in params.stop_token_ids:
-            finish, stop_reason = "stop", token_id
-        else:
-            delta, stop_string = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
-            if stop_string is not None:
-                finish, stop_reason = "stop", stop_string
-        if finish is None and (request.num_output_tokens >= request.max_tokens
-                               or request.num_tokens >= self.max_model_len):
-            finish = "length"
+        appended: list[int] = []
+        for token_id in token_ids:
+            request.append_token(token_id)
+            appended.append(token_id)
+            self.generation_tokens_total += 1
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                finish, stop_reason = "stop", token_id
+            elif token_id in params.stop_token_ids:
+                finish, stop_reason = "stop", token_id
+            else:
+                text, stop_string = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
+                delta += text
+                if stop_string is not None:
+                    finish, stop_reason = "stop", stop_string
+            if finish is None and (request.num_output_tokens >= request.max_tokens
+                                   or request.num_tokens >= self.max_model_len):
+                finish = "length"
+            if finish is not None:
+                break
+        if logprobs is not None:   # requests with logprobs take no drafts: one token
+            request.logprobs.append(logprobs)
         new_logprobs = [logprobs] if logprobs is not None else None
         if finish is None:
-            return self._output(request, [token_id], delta, new_logprobs, None)
+            return self._output(request, appended, delta, new_logprobs, None)
         if not isinstance(stop_reason, str):
             delta += detok.finish()  # release text held back for a stop string that never came
         status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
         self.scheduler.finish_request(request, status)
-        return self._finish_output(request, [token_id], delta, new_logprobs, stop_reason)
+        return self._finish_output(request, appended, delta, new_logprobs, stop_reason)
 
     def _output(self, request: Request, new_ids: list[int], delta: str,
                 new_logprobs: list[dict[int, float]] | None, finish_reason: str | None,
@@ -319,7 +361,8 @@ class Engine:
             prefix_cache_queried_tokens=self.kv_cache.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            **self.spec_counts)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent."""

@@ -120,6 +120,17 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self.pool.uncache(block)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first ``num_tokens`` positions (slots that
+        rejected speculative drafts took). Such blocks never held a verified full block, so
+        none is in the prefix cache."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(extra)))
+
     def uncomputed_blocks(self, request: Request) -> list[KVBlock]:
         """The request's blocks whose K/V this step was to write (not yet valid)."""
         return self.blocks_of(request.request_id)[request.num_computed_tokens // self.block_size:]

@@ -69,7 +69,7 @@ class StepBuffers:
     query_start_loc: torch.Tensor  # [max_seqs + 1] int32
     seq_lens: torch.Tensor        # [max_seqs] int32
     block_tables: torch.Tensor    # [max_seqs, max_blocks_per_seq] int32
-    logits_indices: torch.Tensor  # [max_seqs] int64
+    logits_indices: torch.Tensor  # [max_tokens] int64 (a row per sequence, or per verified draft position)
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
@@ -79,7 +79,7 @@ class StepBuffers:
         return cls(new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int64),
                    new(max_tokens, dtype=torch.int64), new(max_seqs + 1, dtype=torch.int32),
                    new(max_seqs, dtype=torch.int32), new(max_seqs, max_blocks_per_seq, dtype=torch.int32),
-                   new(max_seqs, dtype=torch.int64))
+                   new(max_tokens, dtype=torch.int64))
 
     def numpy(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
@@ -183,7 +183,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_activation_peak(self) -> int:
         """Peak memory of the largest step: one sequence of max_num_batched_tokens tokens
-        with a throwaway cache just big enough, and max_num_seqs logits rows."""
+        with a throwaway cache just big enough, and as many logits rows as a step can have."""
         num_tokens = min(self.max_tokens, self.max_model_len)
         num_blocks = cdiv(num_tokens, self.block_size)
         caches = self._allocate_kv_caches(num_blocks)
@@ -191,7 +191,10 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         device = self.device
-        num_logits = min(self.max_seqs, num_tokens)
+        # A logits row per sequence, plus one per draft when speculation is on.
+        drafts = (self.config.num_speculative_tokens * min(self.max_seqs, self.config.speculative_max_batch_size)
+                  if self.config.speculative_method != "none" else 0)
+        num_logits = min(self.max_seqs + drafts, num_tokens)
         meta = AttentionMetadata(
             positions=torch.arange(num_tokens, device=device),
             slot_mapping=torch.arange(num_tokens, device=device),
@@ -208,10 +211,14 @@ class ModelRunner:
         return int(peak)
 
     # ---- one step ----------------------------------------------------------------------------
-    def prepare(self, requests: list[Request], num_scheduled: dict[str, int],
-                block_ids: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
+    def prepare(self, requests: list[Request], num_scheduled: dict[str, int], block_ids: dict[str, list[int]],
+                spec_token_ids: dict[str, list[int]] | None = None,
+                ) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Pack the step. Returns input ids, metadata and the requests that sample this step
-        (those whose counter reaches the end of their token list), in logits-row order."""
+        (those whose counter reaches the end of their token list), in logits-row order. A
+        request with k drafts (``spec_token_ids``) takes them as inputs after its last token
+        and gets k + 1 logits rows, one per position to verify."""
+        spec_token_ids = spec_token_ids or {}
         if self.fault_hook is not None:
             self.fault_hook(requests)
         bs = self.block_size
@@ -220,7 +227,7 @@ class ModelRunner:
             self._inputs_copied.synchronize()
         num_seqs = len(requests)
         sampling: list[Request] = []
-        token = 0
+        token = num_logits = 0
         max_query_len = max_seq_len = 0
         host["query_start_loc"][0] = 0
         for row, request in enumerate(requests):
@@ -229,7 +236,10 @@ class ModelRunner:
             end = start + num_new
             blocks = block_ids[request.request_id]
             positions = np.arange(start, end)
-            host["input_ids"][token:token + num_new] = request.token_ids[start:end]
+            drafts = spec_token_ids.get(request.request_id, ())
+            known = num_new - len(drafts)
+            host["input_ids"][token:token + known] = request.token_ids[start:start + known]
+            host["input_ids"][token + known:token + num_new] = drafts
             host["positions"][token:token + num_new] = positions
             table = np.asarray(blocks, dtype=np.int64)
             host["slot_mapping"][token:token + num_new] = table[positions // bs] * bs + positions % bs
@@ -238,10 +248,11 @@ class ModelRunner:
             host["query_start_loc"][row + 1] = token
             host["seq_lens"][row] = end
             max_query_len, max_seq_len = max(max_query_len, num_new), max(max_seq_len, end)
-            if end == request.num_tokens:
-                host["logits_indices"][len(sampling)] = token - 1
+            if end >= request.num_tokens:
+                rows = end - request.num_tokens + 1      # 1, or 1 + drafts
+                host["logits_indices"][num_logits:num_logits + rows] = np.arange(token - rows, token)
+                num_logits += rows
                 sampling.append(request)
-        num_logits = len(sampling)
         if self.buffers is not self.host:
             self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs))
             if self.device.type == "cuda":

@@ -5,6 +5,11 @@ equivalent to sampling from ``probs``; the noise comes from the request's own ge
 when it has a seed, so its tokens do not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature),
 as in vLLM.
+
+A request with speculative drafts has one logits row per position to verify; each row is
+sampled exactly as a lone row would be, and ``speculative.accept`` keeps the drafts that
+equal those samples. A seeded request samples its rows one at a time and stops at the
+first mismatch, so it draws the same noise per emitted token as without drafts.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ import torch
 
 from backend.request import Request
 from backend.sampling_params import SamplingParams
+from backend.speculative import accept
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]   # per row: sampled token + top-n, when asked
+    token_ids: list[list[int]]                # per request: the tokens it emits this step (>= 1)
+    logprobs: list[dict[int, float] | None]   # per request: its (single) token + top-n, when asked
 
 
 class Sampler:
@@ -48,38 +54,60 @@ class Sampler:
         for generator, saved in state:
             generator.set_state(saved)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """One device-to-host copy of the step's token ids, except for rows with their own
-        seed (each draws from its request's CPU generator, so that its tokens do not depend
-        on the batch)."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 drafts: list[list[int]] | None = None) -> SamplerOutput:
+        """The tokens each request emits this step: one, or with ``drafts`` (per request,
+        its rows follow its first row) the accepted drafts plus one. One device-to-host copy
+        of the step's token ids, except for rows with their own seed (each draws from its
+        request's CPU generator, so that its tokens do not depend on the batch)."""
+        drafts = drafts or [[] for _ in requests]
+        first_row, row = [], 0
+        for request_drafts in drafts:
+            first_row.append(row)
+            row += 1 + len(request_drafts)
+        # Requests with logprobs, penalties or min_tokens masking never have drafts
+        # (speculative.can_speculate): their one row is their first row.
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.sampling_params.logprobs is not None for r in requests) else None)
-        processed = [row for row, r in enumerate(requests) if _needs_processing(r)]
+        processed = [i for i, r in enumerate(requests) if _needs_processing(r)]
         if processed:
             logits = logits.clone()               # penalties must not touch the caller's logits
-            for row in processed:
-                logits[row] = _process(logits[row], requests[row])
+            for i in processed:
+                logits[first_row[i]] = _process(logits[first_row[i]], requests[i])
         chosen = logits.argmax(dim=-1)            # greedy rows keep this
-        batched = [row for row, r in enumerate(requests)
-                   if not r.sampling_params.is_greedy and r.generator is None]
-        if batched:
-            index = torch.tensor(batched, device=logits.device)
-            chosen[index] = self._sample_batch(logits[index], [requests[row].sampling_params for row in batched])
-        token_ids = chosen.tolist()
-        for row, request in enumerate(requests):
+        batched_rows, batched_params = [], []
+        for i, r in enumerate(requests):
+            if not r.sampling_params.is_greedy and r.generator is None:
+                batched_rows += range(first_row[i], first_row[i] + 1 + len(drafts[i]))
+                batched_params += [r.sampling_params] * (1 + len(drafts[i]))
+        if batched_rows:
+            index = torch.tensor(batched_rows, device=logits.device)
+            chosen[index] = self._sample_batch(logits[index], batched_params)
+        row_tokens = chosen.tolist()
+        token_ids: list[list[int]] = []
+        for i, request in enumerate(requests):
+            rows = range(first_row[i], first_row[i] + 1 + len(drafts[i]))
             if not request.sampling_params.is_greedy and request.generator is not None:
-                token_ids[row] = self._sample_row(logits[row], request)
+                samples: list[int] = []
+                for j, row in enumerate(rows):   # one at a time: no noise drawn past a mismatch
+                    samples.append(self._sample_row(logits[row], request))
+                    if j >= len(drafts[i]) or samples[-1] != drafts[i][j]:
+                        break
+            else:
+                samples = [row_tokens[row] for row in rows]
+            token_ids.append(accept(drafts[i], samples))
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         if raw_logprobs is not None:
-            for row, request in enumerate(requests):
+            for i, request in enumerate(requests):
                 n = request.sampling_params.logprobs
                 if n is None:
                     continue
-                entry = {token_ids[row]: float(raw_logprobs[row, token_ids[row]])}
+                token, row_logprobs = token_ids[i][0], raw_logprobs[first_row[i]]
+                entry = {token: float(row_logprobs[token])}
                 if n > 0:
-                    values, ids = raw_logprobs[row].topk(n)
+                    values, ids = row_logprobs.topk(n)
                     entry.update(zip(ids.tolist(), values.tolist()))
-                logprobs[row] = entry
+                logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
 
     def _sample_batch(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -75,6 +75,8 @@ class SamplingParams:
     # for completions), with their only supported value: one sequence per request.
     n: int = 1
     best_of: int | None = None
+    # false: this request never gets speculative drafts (when the engine has speculative_method set)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # JSON clients send null for "none" (OpenAI style); a single stop string is allowed too.
@@ -164,6 +166,8 @@ class SamplingParams:
             fail("priority", "an integer in [-2**63, 2**63)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             fail("logprobs", "an integer in [0, 20] or null")
+        if not isinstance(self.speculative, bool):
+            fail("speculative", "a boolean")
         if not _is_int(self.n) or self.n != 1:
             fail("n", "1 (one sequence per request; send n requests for n completions)")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != 1):

@@ -7,6 +7,12 @@ latest-arrived running request is preempted by recompute: its blocks are freed, 
 counter reset, and it goes back to the waiting queue (where its early arrival puts it
 near the front). ``batching="static"`` is the naive baseline: a new batch is formed only
 once every request of the previous one has finished.
+
+Speculative decoding (backend/speculative.py) adds a last phase: a decoding request with a
+draft proposal gets its drafts scheduled as extra tokens of its decode, from whatever budget
+and free blocks are left (drafts never preempt anyone and are the first thing dropped).
+After the step, ``finish_speculation`` moves the counter back over the rejected drafts and
+frees the blocks that only they needed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from backend.config import EngineConfig
 from backend.kv_cache_manager import KVCacheManager, cdiv
 from backend.request import Request, RequestStatus
+from backend.speculative import NgramProposer, can_speculate
 
 
 @dataclass
@@ -25,6 +32,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # request_id -> draft tokens scheduled after its last token (counted in num_scheduled_tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_tokens(self) -> int:
@@ -73,6 +82,9 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy == "priority")
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                       config.num_speculative_tokens)
+                         if config.speculative_method == "ngram" else None)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,12 +135,16 @@ class Scheduler:
         # 2. Admission from the waiting queue; not in a step that had to preempt (memory is
         #    tight), and never mid-batch under static batching.
         if not out.preempted and self.config.batching == "continuous":
-            self._admit(out, budget)
+            budget = self._admit(out, budget)
+
+        # 3. Drafts, from what is left.
+        if self.proposer is not None and len(self.running) <= self.config.speculative_max_batch_size:
+            self._schedule_drafts(out, budget)
 
         out.requests = [r for r in self.running if r.request_id in out.num_scheduled_tokens]
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while budget > 0 and len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
@@ -147,6 +163,35 @@ class Scheduler:
             self.running.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        return budget
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give decoding requests their n-gram drafts as extra tokens of this step. A draft
+        never goes past the request's max_tokens (the last token is the bonus one), and gets
+        no block that is not free now."""
+        assert self.proposer is not None
+        for request in self.running:
+            if budget <= 0:
+                return
+            rid = request.request_id
+            decoding = (out.num_scheduled_tokens.get(rid) == 1
+                        and request.num_computed_tokens == request.num_tokens - 1)
+            if not decoding or not can_speculate(request):
+                continue
+            max_drafts = min(budget, request.max_tokens - request.num_output_tokens - 1)
+            drafts = self.proposer.propose(request.token_ids, max_drafts)
+            if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
+                out.num_scheduled_tokens[rid] = 1 + len(drafts)
+                out.spec_token_ids[rid] = drafts
+                budget -= len(drafts)
+
+    def finish_speculation(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a step that verified ``num_drafts`` drafts of ``request`` and accepted
+        ``num_accepted``: the counter stops after the accepted ones (the K/V written for the
+        rejected ones is overwritten when those positions are computed again) and blocks
+        that only rejected drafts used go back to the pool."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.kv_cache.trim(request, request.num_computed_tokens + 1)
 
     def _form_static_batch(self) -> None:
         """Naive batching: take up to max_num_seqs requests whose *maximum* lengths fit in the

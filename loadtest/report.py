@@ -102,6 +102,12 @@ def server_lines(samples: list[dict], meta: dict) -> list[str]:
                      f"peak KV usage {100 * max(s['kv_usage'] or 0 for s in rows):.0f}% of "
                      f"{first.get('kv_total') or 0:.0f} blocks, prefix-cache hit tokens {delta('prefix_hit_tokens'):.0f}, "
                      f"preemptions {delta('preemptions'):.0f}, generated tokens {delta('generation_tokens'):.0f}.")
+        drafted, accepted = delta("spec_draft_tokens"), delta("spec_accepted_tokens")
+        if drafted:
+            verifications = delta("spec_verifications")
+            lines.append(f"Speculative decoding: {drafted:.0f} draft tokens verified, {accepted:.0f} accepted "
+                         f"({_pct(accepted / drafted)}), {delta('spec_emitted_tokens') / verifications:.2f} tokens "
+                         f"emitted per request-step with drafts ({verifications:.0f} such request-steps).")
     lines += cluster_lines(rows)
     idle = meta.get("idle")
     if idle:

@@ -31,6 +31,10 @@ FAMILIES = {
     "prefix_queried_tokens": "llm_prefix_cache_queried_tokens_total",
     "preemptions": "llm_num_preemptions_total",
     "finished_requests": "llm_request_finished_total",
+    "spec_draft_tokens": "llm_spec_decode_draft_tokens_total",
+    "spec_accepted_tokens": "llm_spec_decode_accepted_tokens_total",
+    "spec_emitted_tokens": "llm_spec_decode_emitted_tokens_total",
+    "spec_verifications": "llm_spec_decode_verifications_total",
 }
 
 

@@ -25,6 +25,11 @@ GAUGES = {  # metric name -> (description, EngineStats field)
     "llm_kv_blocks_total": ("KV-cache blocks in the pool", "kv_blocks_total"),
     "llm_kv_blocks_cached": ("KV-cache blocks registered in the prefix cache", "kv_blocks_cached"),
     "llm_kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use (0-1)", "kv_usage"),
+    "llm_spec_decode_acceptance_rate": ("Speculative decoding: drafts accepted / drafts verified, since start",
+                                        "spec_acceptance_rate"),
+    "llm_spec_decode_mean_accepted_length": ("Speculative decoding: tokens emitted per request-step that "
+                                             "verified drafts, since start (1 = nothing accepted)",
+                                             "spec_mean_accepted_length"),
 }
 COUNTERS = {
     "llm_prefix_cache_queried_tokens_total": ("Prompt tokens looked up in the prefix cache", "prefix_cache_queried_tokens"),
@@ -33,6 +38,11 @@ COUNTERS = {
     "llm_prompt_tokens_total": ("Prompt tokens computed (prefill, excluding cache hits)", "prompt_tokens_total"),
     "llm_generation_tokens_total": ("Tokens generated", "generation_tokens_total"),
     "llm_engine_steps_total": ("Engine iterations run", "num_steps"),
+    "llm_spec_decode_draft_tokens_total": ("Speculative draft tokens verified", "spec_draft_tokens"),
+    "llm_spec_decode_accepted_tokens_total": ("Speculative draft tokens accepted", "spec_accepted_tokens"),
+    "llm_spec_decode_emitted_tokens_total": ("Tokens emitted by request-steps that verified drafts "
+                                             "(accepted drafts + one each)", "spec_emitted_tokens"),
+    "llm_spec_decode_verifications_total": ("Request-steps that verified drafts", "spec_verifications"),
 }
 HISTOGRAMS = {  # LatencySample.kind -> (name, description)
     "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token"),

@@ -63,32 +63,49 @@ CONFIGS = {
     "priority_few_seqs": dict(block_size=16, num_kv_blocks=512, scheduling_policy="priority", max_num_seqs=3),
     "static": dict(block_size=16, num_kv_blocks=512, batching="static", max_num_seqs=5),
 }
+# Speculative decoding (n-gram drafts, verified in the same step) must not change a token. The
+# prose prompts repeat themselves, so drafts are proposed and accepted; the batch limit is
+# lifted so that every step may carry drafts.
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch_size=64)
+SPEC_CONFIGS = {f"{name}+spec": {**CONFIGS[name], **SPEC} for name in ("block16", "block4", "chunked_small_budget")}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+def assert_speculated(engine: Engine, config: dict) -> None:
+    if config.get("speculative_method") == "ngram":
+        assert engine.stats().spec_accepted_tokens > 0, "no draft was accepted"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS) + list(SPEC_CONFIGS))
 def test_greedy_matches_transformers(name: str, model_dir: Path, mixed_prompts, hf_mixed) -> None:
-    _, ours = run_engine(EngineConfig(model=str(model_dir), **CONFIGS[name]), mixed_prompts)
+    config = {**CONFIGS, **SPEC_CONFIGS}[name]
+    engine, ours = run_engine(EngineConfig(model=str(model_dir), **config), mixed_prompts)
     assert_same_tokens(ours, hf_mixed)
+    assert_speculated(engine, config)
 
 
-def test_preemption_keeps_tokens_exact(model_dir: Path, mixed_prompts, hf_mixed) -> None:
+@pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
+def test_preemption_keeps_tokens_exact(spec: dict, model_dir: Path, mixed_prompts, hf_mixed) -> None:
     # 40 blocks of 16 tokens cannot hold all 12 requests (~1400 prompt tokens): the engine must
     # preempt, recompute, and still produce the very same tokens.
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=40,
-                                           enable_prefix_caching=False), mixed_prompts)
+                                           enable_prefix_caching=False, **spec), mixed_prompts)
     assert engine.stats().num_preemptions > 0
     assert_same_tokens(ours, hf_mixed)
+    assert_speculated(engine, spec)
 
 
-def test_preemption_with_prefix_caching(model_dir: Path, mixed_prompts, hf_mixed) -> None:
+@pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
+def test_preemption_with_prefix_caching(spec: dict, model_dir: Path, mixed_prompts, hf_mixed) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=40,
-                                           max_num_batched_tokens=64), mixed_prompts)
+                                           max_num_batched_tokens=64, **spec), mixed_prompts)
     assert engine.stats().num_preemptions > 0
     assert_same_tokens(ours, hf_mixed)
+    assert_speculated(engine, spec)
 
 
-def test_shared_prefix_hits_cache(model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
-    engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512),
+@pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
+def test_shared_prefix_hits_cache(spec: dict, model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
+    engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, **spec),
                               shared_prefix_prompts)
     first_hits = engine.stats().prefix_cache_hit_tokens
     assert first_hits > 0, "requests sharing a 200-token prefix got no prefix-cache hit"
@@ -99,6 +116,7 @@ def test_shared_prefix_hits_cache(model_dir: Path, shared_prefix_prompts, hf_sha
     assert all(o.num_cached_tokens >= SHARED_PREFIX_LEN // 16 * 16 for o in again)
     assert engine.stats().prefix_cache_hit_tokens > first_hits
     engine.check_invariants()
+    assert_speculated(engine, spec)
 
 
 def test_shared_prefix_chunked_and_small_blocks(model_dir: Path, shared_prefix_prompts, hf_shared) -> None:

@@ -42,14 +42,14 @@ def rows(*values: Sequence[float]) -> torch.Tensor:
 def sample_one(logits: Sequence[float], params: SamplingParams, prompt: Sequence[int] = (0,),
                output: Sequence[int] = (), sampler: Sampler | None = None) -> int:
     sampler = sampler or Sampler(seed=0)
-    return sampler(rows(logits), [make_request(params, prompt, output)]).token_ids[0]
+    return sampler(rows(logits), [make_request(params, prompt, output)]).token_ids[0][0]
 
 
 def draw_many(logits: Sequence[float], params: SamplingParams, n: int, sampler_seed: int = 1234) -> list[int]:
     """n independent draws from one row: a batch of n unseeded requests sharing the sampler RNG."""
     sampler = Sampler(seed=sampler_seed)
     requests = [make_request(params) for _ in range(n)]
-    return sampler(rows(logits).repeat(n, 1), requests).token_ids
+    return [t[0] for t in sampler(rows(logits).repeat(n, 1), requests).token_ids]
 
 
 def seeded_sequence(sampler: Sampler, logits: torch.Tensor, request: Request, others: list[Request],
@@ -62,7 +62,7 @@ def seeded_sequence(sampler: Sampler, logits: torch.Tensor, request: Request, ot
         batch_logits = torch.cat([other_logits[:position], logits.unsqueeze(0), other_logits[position:]])
         out = sampler(batch_logits, batch)
         assert len(out.token_ids) == len(batch)
-        tokens.append(out.token_ids[position])
+        tokens.append(out.token_ids[position][0])
     return tokens
 
 
@@ -75,14 +75,14 @@ def test_greedy_picks_argmax_per_row() -> None:
     requests.append(make_request(SamplingParams(temperature=1e-6)))   # below the greedy threshold
     out = Sampler(seed=0)(logits, requests)
     assert isinstance(out, SamplerOutput)
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids == [[t] for t in logits.argmax(dim=-1).tolist()]
     assert out.logprobs == [None] * 16
 
 
 def test_greedy_hand_made_rows() -> None:
     logits = rows([0.1, 3.0, -1.0, 2.9], [5.0, -5.0, 4.99, 0.0], [-3.0, -2.0, -1.0, -1.5])
     requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(3)]
-    assert Sampler(seed=0)(logits, requests).token_ids == [1, 0, 2]
+    assert Sampler(seed=0)(logits, requests).token_ids == [[1], [0], [2]]
 
 
 def test_top_k_1_equals_greedy_even_at_high_temperature() -> None:
@@ -127,8 +127,8 @@ def test_min_p_masks_low_probability_tokens_across_seeds() -> None:
     seen: Counter[int] = Counter()
     control: Counter[int] = Counter()
     for seed in range(3000):
-        seen[sampler(logits, [make_request(SamplingParams(min_p=0.2, seed=seed))]).token_ids[0]] += 1
-        control[sampler(logits, [make_request(SamplingParams(seed=seed))]).token_ids[0]] += 1
+        seen[sampler(logits, [make_request(SamplingParams(min_p=0.2, seed=seed))]).token_ids[0][0]] += 1
+        control[sampler(logits, [make_request(SamplingParams(seed=seed))]).token_ids[0][0]] += 1
     assert seen[3] == 0 and seen[4] == 0
     assert set(seen) == {0, 1, 2}
     assert control[3] > 0 and control[4] > 0     # the same seeds do draw them without min_p
@@ -238,7 +238,7 @@ def test_min_tokens_with_ignore_eos_does_not_mask_eos() -> None:
 def test_min_tokens_masks_all_eos_ids_of_the_request() -> None:
     logits = rows([0.0, 1.0, 9.0, 8.5, 0.5])
     request = make_request(SamplingParams(temperature=0.0, min_tokens=1, max_tokens=4), eos=(2, 3))
-    assert Sampler(seed=0)(logits, [request]).token_ids == [1]
+    assert Sampler(seed=0)(logits, [request]).token_ids == [[1]]
 
 
 def test_min_tokens_masks_eos_when_sampling() -> None:
@@ -279,7 +279,7 @@ def test_different_seeds_give_different_sequences() -> None:
     for seed in range(20):
         request = make_request(SamplingParams(seed=seed))
         sampler = Sampler(seed=0)
-        sequences.add(tuple(sampler(logits, [request]).token_ids[0] for _ in range(10)))
+        sequences.add(tuple(sampler(logits, [request]).token_ids[0][0] for _ in range(10)))
     assert len(sequences) == 20
 
 
@@ -288,7 +288,7 @@ def test_unseeded_requests_follow_the_sampler_seed() -> None:
 
     def run(sampler_seed: int) -> list[int]:
         sampler = Sampler(seed=sampler_seed)
-        return [sampler(logits, [make_request(SamplingParams())]).token_ids[0] for _ in range(20)]
+        return [sampler(logits, [make_request(SamplingParams())]).token_ids[0][0] for _ in range(20)]
 
     assert run(3) == run(3)
     assert run(3) != run(4)
@@ -343,7 +343,7 @@ def test_seeded_draws_follow_softmax_too() -> None:
     n = 5000
     logits = rows(LOGITS_6)
     sampler = Sampler(seed=0)
-    counts = Counter(sampler(logits, [make_request(SamplingParams(seed=s))]).token_ids[0] for s in range(n))
+    counts = Counter(sampler(logits, [make_request(SamplingParams(seed=s))]).token_ids[0][0] for s in range(n))
     expected = torch.softmax(torch.tensor(LOGITS_6), 0).tolist()
     for token, p in enumerate(expected):
         assert counts[token] / n == pytest.approx(p, abs=0.025)
@@ -366,8 +366,8 @@ def test_logprobs_are_raw_log_softmax_and_include_the_sampled_token() -> None:
         assert entry is not None
         top = reference[row].topk(n).indices.tolist()
         assert set(top) <= set(entry)
-        assert out.token_ids[row] in entry
-        assert set(entry) == set(top) | {out.token_ids[row]}
+        assert out.token_ids[row][0] in entry
+        assert set(entry) == set(top) | {out.token_ids[row][0]}
         for token, value in entry.items():
             assert value == pytest.approx(float(reference[row, token]), abs=1e-5)
 
@@ -378,7 +378,7 @@ def test_logprobs_for_a_sampled_token_outside_the_top_n() -> None:
     request = make_request(SamplingParams(temperature=0.0, logprobs=1, repetition_penalty=10.0), prompt=[0, 2])
     out = Sampler(seed=0)(logits.clone(), [request])
     reference = torch.log_softmax(logits[0], dim=-1)
-    assert out.token_ids == [1]
+    assert out.token_ids == [[1]]
     assert out.logprobs[0] is not None
     assert set(out.logprobs[0]) == {0, 1}          # the top-1 entry and the sampled token
     assert out.logprobs[0][0] == pytest.approx(float(reference[0]), abs=1e-6)
@@ -390,8 +390,8 @@ def test_logprobs_zero_gives_only_the_sampled_token() -> None:
     request = make_request(SamplingParams(temperature=1.0, logprobs=0, seed=3))
     out = Sampler(seed=0)(logits, [request])
     entry = out.logprobs[0]
-    assert entry is not None and list(entry) == out.token_ids
-    assert entry[out.token_ids[0]] == pytest.approx(float(torch.log_softmax(logits[0], 0)[out.token_ids[0]]), abs=1e-6)
+    assert entry is not None and list(entry) == out.token_ids[0]
+    assert entry[out.token_ids[0][0]] == pytest.approx(float(torch.log_softmax(logits[0], 0)[out.token_ids[0][0]]), abs=1e-6)
 
 
 def test_sampler_does_not_modify_the_logits() -> None:

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, model_dir: Path):
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = TritonServer(*free_ports(3), log_file=log)
+    # Speculative decoding on, as a user would turn it on: it must change no output (greedy and
+    # seeded outputs are compared with an engine without it below).
+    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram"}, log_file=log)
     srv.start(timeout=300)
     yield srv
     srv.stop()
@@ -342,7 +344,9 @@ def test_metrics_families_after_traffic(server: TritonServer, client: LLMClient)
                    "llm_prefix_cache_hit_tokens_total", "llm_num_preemptions_total", "llm_prompt_tokens_total",
                    "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
                    "llm_inter_token_latency_seconds_count", "llm_e2e_request_latency_seconds_count",
-                   "nv_trt_llm_kv_cache_block_metrics"):
+                   "nv_trt_llm_kv_cache_block_metrics", "llm_spec_decode_draft_tokens_total",
+                   "llm_spec_decode_accepted_tokens_total", "llm_spec_decode_emitted_tokens_total",
+                   "llm_spec_decode_acceptance_rate"):
         assert family in names, f"{family} missing from /metrics"
     labels = '{model="llm",version="1"}'
     assert after[f"llm_e2e_request_latency_seconds_count{labels}"] >= before.get(
@@ -361,6 +365,17 @@ def test_metrics_families_after_traffic(server: TritonServer, client: LLMClient)
             after[f"{ours}{labels}"]
     assert wait_for(lambda: kv_used(server) == 0, 2)
     assert after[f"llm_kv_blocks_free{labels}"] + after[f"llm_kv_blocks_used{labels}"] == total
+
+
+def test_speculative_decoding_shows_in_metrics(server: TritonServer, client: LLMClient, engine: Engine) -> None:
+    prompt = "Copy this line: red green blue, red green blue, red green blue, red green blue, red"
+    before = metric(server, "llm_spec_decode_accepted_tokens_total")
+    completion = client.generate(prompt, max_tokens=24, ignore_eos=True, **GREEDY)
+    reference = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))[0]
+    assert completion.text == reference.text
+    assert wait_for(lambda: metric(server, "llm_spec_decode_accepted_tokens_total") > before, 2)
+    assert 0 < metric(server, "llm_spec_decode_acceptance_rate") <= 1
+    assert metric(server, "llm_spec_decode_mean_accepted_length") > 1
 
 
 def test_prefix_cache_hits_show_in_metrics(server: TritonServer, client: LLMClient) -> None:

@@ -140,8 +140,8 @@ def test_a_failure_after_sampling_drew_noise_leaves_seeded_requests_unchanged(en
     clean = run(engine, {"seeded": prompts["seeded"]}, params)
     real_sampler = engine.sampler.__class__.__call__
 
-    def failing_sampler(self, logits, requests):
-        result = real_sampler(self, logits, requests)
+    def failing_sampler(self, logits, requests, drafts=None):
+        result = real_sampler(self, logits, requests, drafts)
         if any(r.request_id == "bad" and r.num_output_tokens >= 2 for r in requests):
             raise OverflowError("poisoned request bad (after sampling)")
         return result
