@@ -5,6 +5,7 @@ in docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,15 @@ def test_cpu_linear_benchmark_runs() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| native ms | onednn ms | torch ms |" in done.stdout
     assert done.stdout.count("x |") == 2      # one speed-up per row count
+
+
+def test_speculative_benchmark_runs(tmp_path: Path) -> None:
+    """The speculation off/on comparison (docs/benchmarks.md) runs and checks equal outputs."""
+    out = tmp_path / "spec.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.speculative", "--rounds", "1", "--max-tokens", "16",
+                           "--workloads", "edit", "--json", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "edit :" in done.stdout
+    result = json.loads(out.read_text())["results"]["edit"]
+    assert result["on"]["tokens"] == result["off"]["tokens"] and result["on"]["drafted"] > 0
