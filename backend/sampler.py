@@ -7,7 +7,7 @@ Logprobs are those of the model's raw distribution (before penalties and tempera
 as in vLLM.
 
 A request with speculative drafts has one logits row per position to verify; each row is
-sampled exactly as a lone row would be, and ``speculative.accept`` keeps the drafts that
+sampled exactly as a lone row would be, and ``accept`` keeps the drafts that
 equal those samples. A seeded request samples its rows one at a time and stops at the
 first mismatch, so it draws the same noise per emitted token as without drafts.
 """
@@ -20,7 +20,6 @@ import torch
 
 from backend.request import Request
 from backend.sampling_params import SamplingParams
-from backend.speculative import accept
 
 
 @dataclass
@@ -69,7 +68,7 @@ class Sampler:
         # (speculative.can_speculate): their one row is their first row.
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.sampling_params.logprobs is not None for r in requests) else None)
-        processed = [i for i, r in enumerate(requests) if _needs_processing(r)]
+        processed = [i for i, r in enumerate(requests) if needs_logits_processing(r)]
         if processed:
             logits = logits.clone()               # penalties must not touch the caller's logits
             for i in processed:
@@ -149,7 +148,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
-def _needs_processing(request: Request) -> bool:
+def needs_logits_processing(request: Request) -> bool:
+    """Penalties or min_tokens masking apply to this request's next row (such a request takes
+    no speculative drafts: the row would depend on the drafts before it)."""
     p = request.sampling_params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or request.num_output_tokens < p.min_tokens)
@@ -173,3 +174,16 @@ def _process(logits: torch.Tensor, request: Request) -> torch.Tensor:
         if banned_ids:
             logits[torch.tensor(banned_ids, dtype=torch.int64, device=device)] = float("-inf")
     return logits
+
+
+def accept(drafts: list[int], samples: list[int]) -> list[int]:
+    """The tokens a speculative step emits: drafts as long as they equal the target's samples
+    at their positions, then the target's sample where they first differ (or the bonus sample
+    after the last draft). ``samples`` has one entry per position verified so far; it may stop
+    at the first mismatch (a seeded request samples position by position)."""
+    emitted = []
+    for i, sample in enumerate(samples):
+        emitted.append(sample)
+        if i >= len(drafts) or sample != drafts[i]:
+            break
+    return emitted

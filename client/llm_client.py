@@ -36,7 +36,10 @@ RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_o
                 "return_num_cached_tokens")
 
 
+# The routing contract with the cluster's proxy (server/cluster.py renders it into HAProxy's
+# configuration): requests with the same prefix key go to one replica, named in the response.
 PREFIX_KEY_HEADER = "x-prefix-key"
+SERVED_BY_HEADER = "x-served-by"
 
 
 def prefix_key_for(text: str) -> str:
@@ -262,7 +265,7 @@ def http_generate_stream(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = 
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", **routing_headers(prefix_key)})
     with urllib.request.urlopen(request, timeout=timeout) as response:
-        served_by = response.headers.get("x-served-by")
+        served_by = response.headers.get(SERVED_BY_HEADER)
         for raw in response:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):

@@ -40,10 +40,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from client.llm_client import PREFIX_KEY_HEADER, SERVED_BY_HEADER
 from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
-PREFIX_KEY_HEADER = "x-prefix-key"
 FALLBACK_PREFIX_BYTES = 256     # of text_input, hashed when a request carries no prefix key
 HASH_BALANCE_FACTOR = 150       # a replica takes a key's request unless above 150% of the mean load
 BALANCE_MODES = ("prefix", "roundrobin")
@@ -159,7 +159,7 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
         "backend triton_http",
         *balance_lines,
         # Which replica served: for clients, tests and debugging routing.
-        "    http-response set-header x-served-by %s",
+        f"    http-response set-header {SERVED_BY_HEADER} %s",
         *servers("http_port"),
         "",
         "backend triton_grpc",
@@ -220,26 +220,82 @@ def deploy_files() -> dict[Path, str]:
     }
 
 
-def stop_child(process: subprocess.Popen | None, timeout: float) -> None:
-    """SIGTERM, then SIGKILL after ``timeout`` seconds."""
-    if process is None or process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+class ConfiguredProcess:
+    """A binary run in the foreground, with a configuration rendered into a temporary folder:
+    what HAProxy and Prometheus share. Subclasses name the binary and say how to run it
+    (``command``) and when it is ready (``is_ready``)."""
+
+    binary = ""
+    config_name = ""
+    stop_timeout_s = 10.0
+
+    def __init__(self, log_file: Path | None = None) -> None:
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+        self._log = None
+
+    def render_config(self) -> str:
+        raise NotImplementedError
+
+    def command(self, binary: str, config: Path, workdir: Path) -> list[str]:
+        raise NotImplementedError
+
+    def is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def _launch(self, timeout: float) -> None:
+        """Write the configuration, start the binary, wait until ``is_ready`` (stop on failure)."""
+        binary = require_binary(self.binary)
+        self._workdir = tempfile.TemporaryDirectory(prefix=f"llm-{self.binary}-")
+        workdir = Path(self._workdir.name)
+        config = workdir / self.config_name
+        config.write_text(self.render_config())
+        self._check_config(binary, config)
+        self._log = open(self.log_file, "w") if self.log_file else None
+        self.process = subprocess.Popen(self.command(binary, config, workdir), stdout=self._log or subprocess.DEVNULL,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.binary} exited with {self.process.returncode}")
+            if self.is_ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"{self.binary} was not ready within {timeout:.0f}s")
+
+    def _check_config(self, binary: str, config: Path) -> None:
+        """Refuse a configuration before starting, where the binary can check one."""
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after ``stop_timeout_s``; the folder and log go."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
 
 
-class HAProxy:
-    """HAProxy in the foreground as a child process, with the configuration rendered here."""
+class HAProxy(ConfiguredProcess):
+    """HAProxy in the foreground as a child process, with the configuration rendered here.
+    SIGTERM is its hard stop (SIGUSR1 would wait for every open stream)."""
+
+    binary = "haproxy"
+    config_name = "haproxy.cfg"
 
     def __init__(self, replicas: list[Endpoint], ports: ProxyPorts, balance: str = "prefix",
                  log_file: Path | None = None) -> None:
-        self.replicas, self.ports, self.balance, self.log_file = replicas, ports, balance, log_file
-        self.process: subprocess.Popen | None = None
-        self._workdir: tempfile.TemporaryDirectory | None = None
+        super().__init__(log_file)
+        self.replicas, self.ports, self.balance = replicas, ports, balance
 
     @property
     def http_url(self) -> str:
@@ -254,27 +310,25 @@ class HAProxy:
         return f"http://127.0.0.1:{self.ports.stats}/stats"
 
     def start(self, timeout: float = 30.0) -> "HAProxy":
-        binary = require_binary("haproxy")
-        self._workdir = tempfile.TemporaryDirectory(prefix="llm-haproxy-")
-        config = Path(self._workdir.name) / "haproxy.cfg"
-        config.write_text(haproxy_config(self.replicas, self.ports, self.balance))
+        """Ready once every replica is UP in every backend."""
+        self._launch(timeout)
+        return self
+
+    def render_config(self) -> str:
+        return haproxy_config(self.replicas, self.ports, self.balance)
+
+    def _check_config(self, binary: str, config: Path) -> None:
         check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"haproxy rejected its configuration:\n{check.stdout}{check.stderr}")
-        out = open(self.log_file, "w") if self.log_file else subprocess.DEVNULL
+
+    def command(self, binary: str, config: Path, workdir: Path) -> list[str]:
         # -db: foreground, no daemon; -W would add a master process we do not need.
-        self.process = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"haproxy exited with {self.process.returncode}")
-            states = self.server_states()
-            if states and all(s == "UP" for backend in states.values() for s in backend.values()):
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"haproxy did not see every replica up within {timeout:.0f}s")
+        return [binary, "-db", "-f", str(config)]
+
+    def is_ready(self) -> bool:
+        states = self.server_states()
+        return bool(states) and all(s == "UP" for backend in states.values() for s in backend.values())
 
     def server_states(self) -> dict[str, dict[str, str]]:
         """{backend: {server: status}} from HAProxy's stats CSV ({} while it does not answer)."""
@@ -298,51 +352,40 @@ class HAProxy:
             time.sleep(0.2)
         return False
 
-    def stop(self) -> None:
-        # SIGTERM is HAProxy's hard stop (SIGUSR1 would wait for every open stream).
-        stop_child(self.process, timeout=10)
-        if self._workdir is not None:
-            self._workdir.cleanup()
-            self._workdir = None
 
-
-class Prometheus:
+class Prometheus(ConfiguredProcess):
     """Debian's (or any) ``prometheus`` binary scraping the cluster, with an HTTP API query helper."""
+
+    binary = "prometheus"
+    config_name = "prometheus.yml"
+    stop_timeout_s = 15.0
 
     def __init__(self, replicas: list[Endpoint], port: int, proxy_stats: str | None = None,
                  scrape_interval: str = "1s", log_file: Path | None = None) -> None:
-        self.replicas, self.port, self.proxy_stats = replicas, port, proxy_stats
-        self.scrape_interval, self.log_file = scrape_interval, log_file
-        self.process: subprocess.Popen | None = None
-        self._workdir: tempfile.TemporaryDirectory | None = None
+        super().__init__(log_file)
+        self.replicas, self.port, self.proxy_stats, self.scrape_interval = replicas, port, proxy_stats, scrape_interval
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "Prometheus":
-        binary = require_binary("prometheus")
-        self._workdir = tempfile.TemporaryDirectory(prefix="llm-prometheus-")
-        config = Path(self._workdir.name) / "prometheus.yml"
-        config.write_text(prometheus_config(self.replicas, self.proxy_stats, self.scrape_interval))
-        out = open(self.log_file, "w") if self.log_file else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={Path(self._workdir.name) / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.process.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"prometheus not ready within {timeout:.0f}s")
+        self._launch(timeout)
+        return self
+
+    def render_config(self) -> str:
+        return prometheus_config(self.replicas, self.proxy_stats, self.scrape_interval)
+
+    def command(self, binary: str, config: Path, workdir: Path) -> list[str]:
+        return [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d"]
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def query(self, expr: str) -> list[dict]:
         """An instant query through the HTTP API: the result vector."""
@@ -352,12 +395,6 @@ class Prometheus:
         if body.get("status") != "success":
             raise RuntimeError(f"prometheus query {expr!r} failed: {body}")
         return body["data"]["result"]
-
-    def stop(self) -> None:
-        stop_child(self.process, timeout=15)
-        if self._workdir is not None:
-            self._workdir.cleanup()
-            self._workdir = None
 
 
 class Cluster:

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.request import Request
-from backend.sampler import Sampler
-from backend.speculative import NgramProposer, accept, can_speculate
+from backend.sampler import Sampler, accept
+from backend.speculative import NgramProposer, can_speculate
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch_size=64)
 
