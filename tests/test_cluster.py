@@ -193,16 +193,18 @@ def test_prometheus_scrapes_every_replica(cluster: Cluster, tmp_path: Path) -> N
     prometheus = Prometheus(cluster.endpoints, free_ports(1)[0], with_proxy, "1s",
                             log_file=tmp_path / "prometheus.log").start()
     try:
+        # Targets are scraped at staggered offsets: wait for the first scrape of every one.
         deadline = time.monotonic() + 60
         series: list[dict] = []
+        up: dict[str, float] = {}
         while time.monotonic() < deadline:
             series = prometheus.query("llm_kv_blocks_total")
-            if {s["metric"].get("replica") for s in series} == {"r0", "r1"}:
+            up = {s["metric"]["job"]: float(s["value"][1]) for s in prometheus.query("min by (job) (up)")}
+            if {s["metric"].get("replica") for s in series} == {"r0", "r1"} and len(up) == 2:
                 break
             time.sleep(0.5)
         assert {s["metric"].get("replica") for s in series} == {"r0", "r1"}, series
         assert all(float(s["value"][1]) > 0 for s in series)
-        up = {s["metric"]["job"]: float(s["value"][1]) for s in prometheus.query("min by (job) (up)")}
         assert up == {"triton": 1.0, "haproxy": 1.0}
         routed = prometheus.query('haproxy_server_http_responses_total{proxy="triton_http"}')
         assert {s["metric"]["server"] for s in routed} == {"r0", "r1"}
