@@ -2,10 +2,11 @@
 preemption, priorities. No Triton imports here; model_repository/ adapts it."""
 
 from backend.config import EngineConfig
-from backend.engine import Engine, EngineStats
+from backend.engine.engine import Engine, EngineStats
+from backend.engine.loop import EngineLoop
 from backend.errors import InvalidRequestError, QueueFullError, ShuttingDownError
-from backend.outputs import RequestOutput
+from backend.outputs import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "InvalidRequestError", "QueueFullError",
+__all__ = ["Engine", "EngineConfig", "EngineLoop", "EngineStats", "FinishReason", "InvalidRequestError", "QueueFullError",
            "RequestOutput", "SamplingParams", "ShuttingDownError"]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 # KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# CPU float32 linear layers (backend/cpu_linear.py resolves "auto").
+# CPU float32 linear layers (backend/model/cpu_linear.py resolves "auto").
 CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 
 
@@ -45,7 +45,7 @@ class EngineConfig:
     cpu_fused_ops: bool = True                 # CPU float32: residual add + RMSNorm and RoPE + KV write
                                                # fused in C (kernels/csrc/layer_ops.c); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
-    # Speculative decoding (backend/speculative.py): drafts verified in the same packed step.
+    # Speculative decoding (backend/sample/speculative.py): drafts verified in the same packed step.
     speculative_method: Literal["none", "ngram"] = "none"  # ngram: prompt lookup over the request's tokens
     num_speculative_tokens: int = 5            # drafts per request and step, at most
     prompt_lookup_min: int = 2                 # n-gram lengths matched against the request's own tokens:

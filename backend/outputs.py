@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended; the value is what clients see (vLLM's names)."""
+    STOP = "stop"          # EOS, a stop token id or a stop string
+    LENGTH = "length"      # max_tokens, or the context (max_model_len) is full
+    ABORT = "abort"        # cancelled by the client, or cut short by a server drain
+    ERROR = "error"        # failed inside an engine step; finish_message says why
 
 
 @dataclass
@@ -11,7 +20,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]            # generated this step (the delta)
     new_text: str                       # text released this step (the delta)
-    finish_reason: str | None           # None while running; "stop", "length", "abort" or "error"
+    finish_reason: FinishReason | None  # None while running
     num_prompt_tokens: int
     num_cached_tokens: int              # prompt tokens served from the prefix cache
     num_output_tokens: int              # generated so far, this step's included

@@ -23,7 +23,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TEMPERATURE = 100.0                # beyond this every distribution is uniform to float32 anyway
 MAX_REPETITION_PENALTY = 100.0
-MAX_TOP_K = 2**31 - 1                  # values >= the vocabulary size mean "disabled"
+MAX_TOP_K = 2**31 - 1
+MAX_CACHE_SALT_CHARS = 256
+MAX_ALLOWED_TOKEN_IDS = 65536                  # values >= the vocabulary size mean "disabled"
 
 
 def _is_int(value: Any) -> bool:
@@ -77,6 +79,11 @@ class SamplingParams:
     best_of: int | None = None
     # false: this request never gets speculative drafts (when the engine has speculative_method set)
     speculative: bool = True
+    # Prefix-cache isolation: requests share cached blocks only when their salts are equal
+    # (vLLM's cache_salt); e.g. one salt per tenant.
+    cache_salt: str | None = None
+    # Only these token ids may be generated (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # JSON clients send null for "none" (OpenAI style); a single stop string is allowed too.
@@ -168,6 +175,15 @@ class SamplingParams:
             fail("logprobs", "an integer in [0, 20] or null")
         if not isinstance(self.speculative, bool):
             fail("speculative", "a boolean")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
+                                            or not _is_encodable(self.cache_salt)):
+            fail("cache_salt", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters or null")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
+                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} integers >= 0, or null")
         if not _is_int(self.n) or self.n != 1:
             fail("n", "1 (one sequence per request; send n requests for n completions)")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != 1):

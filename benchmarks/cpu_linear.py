@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from backend.config import EngineConfig
-from backend.cpu_linear import NativeLinear, PackedLinear, onednn_packing_available
-from backend.model import ModelArchitecture
+from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_linear import NativeLinear, PackedLinear, onednn_packing_available
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from backend.config import EngineConfig
-from backend.model import ModelArchitecture
-from backend.model_runner import ModelRunner
-from backend.request import Request
-from backend.sampler import Sampler
+from backend.core.request import Request
+from backend.model.architecture import ModelArchitecture
+from backend.sample.sampler import Sampler
 from backend.sampling_params import SamplingParams
+from backend.worker.model_runner import ModelRunner
 from benchmarks.common import copy_bandwidth_gbps, device_name, markdown_table, time_ms, write_results
 
 # Llama-3.2-1B and Llama-3.1-8B shapes (config.json fields); weights are random.

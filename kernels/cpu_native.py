@@ -9,7 +9,7 @@ which releases the GIL for the call. torch must be imported first: the library's
 ``libgomp.so.1`` then binds to the OpenMP runtime torch already loaded (one thread pool).
 
 Without a C compiler ``load()`` returns None: attention falls back to the batched torch
-implementation in ``cpu_attention.py`` and linear layers to oneDNN (``backend/cpu_linear.py``).
+implementation in ``cpu_attention.py`` and linear layers to oneDNN (``backend/model/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def linear_available() -> bool:
 
 
 def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``packed`` = ``backend.cpu_linear.pack_panels(W)``. ``x``: [rows,
+    """``x @ W.T + bias`` with ``packed`` = ``backend.model.cpu_linear.pack_panels(W)``. ``x``: [rows,
     in_features] float32 CPU with unit column stride (any row stride); returns a new
     contiguous [rows, out_features] tensor. The caller checks dtypes once, at load time."""
     rows, in_features = x.shape

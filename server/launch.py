@@ -11,6 +11,7 @@ repository (the checked-in one is never modified). Tests use ``TritonServer`` di
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -109,7 +110,13 @@ def configured_drain_timeout(params: dict[str, str]) -> float:
 
 
 def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
-    """Copy the model repository, overriding engine parameters in config.pbtxt."""
+    """Copy the model repository with engine parameters set in its config.pbtxt (replacing a
+    parameter the file sets already, adding the others). Keys must be EngineConfig fields."""
+    from backend.config import EngineConfig
+
+    unknown = sorted(set(params) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise ValueError(f"not engine parameters: {unknown}")
     target = workdir / "model_repository"
     shutil.copytree(MODEL_REPOSITORY, target, ignore=shutil.ignore_patterns("__pycache__"))
     config = target / MODEL_NAME / "config.pbtxt"
@@ -117,8 +124,8 @@ def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
     for key, value in params.items():
         pattern = re.compile(r'(key:\s*"%s"\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
         text, count = pattern.subn(lambda m: f'{m.group(1)}"{value}"', text)
-        if count != 1:
-            raise ValueError(f"config.pbtxt has no engine parameter {key!r}")
+        if count == 0:
+            text += f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
     config.write_text(text)
     return target
 

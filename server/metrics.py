@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from backend.engine import EngineStats
-from backend.engine_loop import LatencySample
+from backend.engine.engine import EngineStats
+from backend.engine.loop import LatencySample
 
 # Seconds. Dense at the low end, where a CPU or GPU decode step lives.
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -1,4 +1,4 @@
-"""CPU linear layers (backend/cpu_linear.py) against plain ``F.linear``: our C kernel and the
+"""CPU linear layers (backend/model/cpu_linear.py) against plain ``F.linear``: our C kernel and the
 oneDNN-packed weights give the same products, the int8 weight-only layer is its dequantised
 matmul, and the engine's greedy tokens do not depend on which linear path serves."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, onednn_packing_available, pack_panels,
+from backend.model.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, onednn_packing_available, pack_panels,
                                 replace_linears, resolve_cpu_linear)
 from kernels import cpu_native
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from backend import Engine, EngineConfig, RequestOutput, SamplingParams
-from backend.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 EOS = 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams
-from backend.engine_loop import EngineLoop, EngineStepError
+from backend.engine.loop import EngineLoop, EngineStepError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

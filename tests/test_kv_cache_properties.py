@@ -1,6 +1,6 @@
 """Property-based tests of the paged KV cache: ``BlockPool`` and ``KVCacheManager``.
 
-The state machine drives ``KVCacheManager`` the way ``backend/scheduler.py`` does (admission
+The state machine drives ``KVCacheManager`` the way ``backend/core/scheduler.py`` does (admission
 with a prefix-cache lookup, chunked prefill, decode steps, preemption, finishing) and keeps
 a small *model* next to it:
 
@@ -24,9 +24,10 @@ import hypothesis.strategies as st
 from hypothesis import assume, event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from backend.block_pool import BlockPool, KVBlock
-from backend.kv_cache_manager import KVCacheManager, cdiv, hash_block
-from backend.request import Request
+from backend.core.block_pool import BlockPool, KVBlock
+from backend.core.kv_cache_manager import KVCacheManager
+from backend.core.kv_cache_utils import cdiv, hash_block
+from backend.core.request import Request
 from backend.sampling_params import SamplingParams
 
 VOCAB = st.integers(0, 3)

@@ -1,13 +1,14 @@
 """The fused CPU layer ops (kernels/csrc/layer_ops.c) against the torch code they replace:
 ``RMSNorm`` after a residual add, and ``apply_rope`` + ``reshape_and_cache_reference``
-(backend/model.py, kernels/reference.py), then a whole model's logits with and without them."""
+(backend/model/llama.py, kernels/reference.py), then a whole model's logits with and without them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backend.model import CausalLM, ModelArchitecture, RMSNorm, apply_rope
+from backend.model.architecture import ModelArchitecture
+from backend.model.llama import CausalLM, RMSNorm, apply_rope
 from kernels import cpu_native
 from kernels.reference import reshape_and_cache_reference
 
@@ -78,7 +79,7 @@ def test_rope_and_cache_matches_rope_then_cache_write(num_heads: int, num_kv_hea
 def test_model_logits_with_and_without_fused_ops() -> None:
     """A tiny random Llama, one packed step of a prefill chunk and decode rows: the fused
     decoder loop gives the logits of the torch loop."""
-    from backend.model import AttentionMetadata
+    from backend.model.llama import AttentionMetadata
 
     arch = ModelArchitecture(model_type="llama", vocab_size=300, hidden_size=96, intermediate_size=160,
                              num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,

@@ -1,4 +1,4 @@
-"""Unit tests of backend.sampler.Sampler on hand-made logits and hand-made Request objects.
+"""Unit tests of backend.sample.sampler.Sampler on hand-made logits and hand-made Request objects.
 
 No model is loaded: every row of logits is constructed so that the expected token (or the
 expected distribution) is known exactly. Random draws use fixed seeds, so every test is
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 import pytest
 import torch
 
-from backend.request import Request
-from backend.sampler import Sampler, SamplerOutput
+from backend.core.request import Request
+from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
 
 EOS = 2                      # same EOS id as the real model, inside the small hand-made vocab

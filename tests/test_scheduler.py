@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 
 from backend.config import EngineConfig
-from backend.kv_cache_manager import KVCacheManager
-from backend.request import Request, RequestStatus
+from backend.core.kv_cache_manager import KVCacheManager
+from backend.core.request import Request, RequestStatus
+from backend.core.scheduler import Scheduler, SchedulerOutput
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler, SchedulerOutput
 
 _ids = itertools.count()
 

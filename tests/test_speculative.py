@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts (backend/speculative.py): the proposer, verification
+"""Speculative decoding with n-gram drafts (backend/sample/speculative.py): the proposer, verification
 that keeps the target distribution (a chi-square test on a tiny vocabulary), exact greedy and
 seeded outputs, stop conditions inside an accepted run, and KV invariants under random
 interleavings of requests, aborts and preemptions with speculation on."""
@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.request import Request
-from backend.sampler import Sampler, accept
-from backend.speculative import NgramProposer, can_speculate
+from backend.core.request import Request
+from backend.sample.sampler import Sampler
+from backend.sample.speculative import NgramProposer, accept, can_speculate
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch_size=64)
 

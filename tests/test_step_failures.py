@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.engine_loop import EngineLoop, EngineStepError
-from backend.request import Request
+from backend.core.request import Request
+from backend.engine.loop import EngineLoop, EngineStepError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from tests.conftest import hf_greedy
 from tests.test_hf_equality import CONFIGS, MAX_NEW_TOKENS, assert_same_tokens, mixed_prompts, run_engine  # noqa: F401 (fixture)
 from tests.test_tiny_architectures import make_tiny_model
@@ -76,7 +76,8 @@ def test_padded_decode_batches_match(backend: str, tiny_llama, mixed_prompts, re
                                  num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128))
     runner = engine.runner
     assert runner.decode_graphs is None                      # CPU: no graphs unless asked
-    runner.decode_graphs = DecodeGraphs(runner, capture_sizes(16), capture=False)
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.buffers, runner.kv_caches, capture_sizes(16), runner.max_model_len,
+                                       capture=False)
     padded_steps = 0
     original_run = runner.decode_graphs.run
 
@@ -96,7 +97,7 @@ def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, mixed_prompt
     """The CUDA layout of step inputs (host buffers copied into separate device buffers,
     block tables only up to the columns in use), with the "device" on CPU and its buffers
     poisoned: a read of anything not copied this step would break the tokens or raise."""
-    from backend.model_runner import StepBuffers
+    from backend.worker.model_runner import StepBuffers
 
     engine = Engine(EngineConfig(model=str(tiny_llama[0]), block_size=16, num_kv_blocks=512, max_num_seqs=16,
                                  max_num_batched_tokens=64))
@@ -106,7 +107,8 @@ def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, mixed_prompt
     for tensor in vars(device_buffers).values():
         tensor.fill_(10**6)                     # out of range for every field
     runner.buffers = device_buffers
-    runner.decode_graphs = DecodeGraphs(runner, capture_sizes(16), capture=False)
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.buffers, runner.kv_caches, capture_sizes(16), runner.max_model_len,
+                                       capture=False)
     outputs = engine.generate(mixed_prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     assert_same_tokens([o.token_ids for o in outputs], reference)
     assert (device_buffers.block_tables == 10**6).any(), "columns past the sequences' blocks were copied"

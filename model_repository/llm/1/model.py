@@ -38,7 +38,7 @@ sys.path.insert(0, str(PROJECT_ROOT))
 
 from backend import (Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
                      ShuttingDownError)
-from backend.engine_loop import EngineLoop
+from backend.engine.loop import EngineLoop
 from server.metrics import EngineMetrics
 
 POLL_INTERVAL_S = 0.1

@@ -23,11 +23,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from backend.engine import Engine, EngineStats, load_tokenizer
+from backend.engine.engine import Engine, EngineStats, load_tokenizer
+from backend.engine.validation import Prompt, ValidatedPrompt
 from backend.errors import QueueFullError, ShuttingDownError
-from backend.outputs import RequestOutput
+from backend.outputs import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
-from backend.validation import Prompt, ValidatedPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class EngineLoop:
                 del self._callbacks[request_id], self._arrival[request_id]
                 self._last_token_time.pop(request_id, None)
             try:
-                if output.finish_reason == "error":   # failed inside a step, alone: an error, not text
+                if output.finish_reason is FinishReason.ERROR:   # failed inside a step, alone: an error, not text
                     callback(EngineStepError(f"request failed in an engine step: {output.finish_message}"))
                 else:
                     callback(output)

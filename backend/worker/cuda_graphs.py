@@ -6,8 +6,9 @@ replaying it removes that cost. A step with ``n`` sequences replays the smallest
 size ``>= n``; the padding rows decode a dummy token that writes no KV (slot -1) and whose
 logits are dropped. Mixed and prefill steps run eagerly.
 
-The graphs read the model runner's preallocated step buffers in place, so a step only has
-to fill those (``ModelRunner.prepare`` already did) and pad the tail.
+The graphs are handed what they need (the model, the step buffers they read in place, the
+KV tensors and the sizes) and never see the runner: a step only has to fill the buffers
+(``ModelRunner.prepare`` already did) and call ``run``, which pads the tail.
 
 ``capture=False`` runs the same padded forward eagerly: it lets CPU tests check the
 padding logic, which is everything here except the capture itself.
@@ -15,14 +16,13 @@ padding logic, which is everything here except the capture itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
-from backend.model import AttentionMetadata
+from backend.model.llama import AttentionMetadata
+from backend.worker.step_buffers import StepBuffers
 
-if TYPE_CHECKING:
-    from backend.model_runner import ModelRunner
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -34,13 +34,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", batch_sizes: list[int], capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches, batch_sizes: list[int],
+                 max_seq_len: int, capture: bool = True) -> None:
+        """``buffers``: the step buffers on the model's device (read in place at replay);
+        ``max_seq_len``: the longest sequence any replay may attend over (max_model_len)."""
+        self.model = model
+        self.buffers = buffers
+        self.kv_caches = kv_caches
+        self.max_seq_len = max_seq_len
         self.batch_sizes = sorted(batch_sizes)
         self.capture = capture
-        device = runner.device
+        self.device = device = buffers.input_ids.device
         largest = self.batch_sizes[-1]
-        if largest > min(runner.max_seqs, runner.max_tokens):
+        if largest > min(buffers.seq_lens.shape[0], buffers.input_ids.shape[0]):
             raise ValueError(f"graph batch {largest} exceeds the step buffers")
         # Decode layout is fixed: sequence i owns query row i and logits row i.
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
@@ -54,21 +60,21 @@ class DecodeGraphs:
         return num_seqs <= self.batch_sizes[-1]
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
-        buf = self.runner.buffers
+        buf = self.buffers
         # max_seq_len is the model's limit, not the step's, so the launch shape baked into
         # the graph fits every later step; the kernels read true lengths from seq_lens.
         return AttentionMetadata(
             positions=buf.positions[:batch_size], slot_mapping=buf.slot_mapping[:batch_size],
             query_start_loc=self.query_start_loc[:batch_size + 1], seq_lens=buf.seq_lens[:batch_size],
             block_tables=buf.block_tables[:batch_size], logits_indices=self.logits_indices[:batch_size],
-            max_query_len=1, max_seq_len=self.runner.max_model_len)
+            max_query_len=1, max_seq_len=self.max_seq_len)
 
     def _pad(self, num_seqs: int, batch_size: int) -> None:
         """Rows num_seqs..batch_size become harmless decodes: token 0 at position 0, no KV
         write, attending to one key of block 0."""
         if num_seqs == batch_size:
             return
-        buf = self.runner.buffers
+        buf = self.buffers
         rows = slice(num_seqs, batch_size)
         buf.input_ids[rows] = 0
         buf.positions[rows] = 0
@@ -77,8 +83,7 @@ class DecodeGraphs:
         buf.block_tables[rows, 0] = 0
 
     def _forward(self, batch_size: int) -> torch.Tensor:
-        runner = self.runner
-        return runner.model(runner.buffers.input_ids[:batch_size], self._meta(batch_size), runner.kv_caches)
+        return self.model(self.buffers.input_ids[:batch_size], self._meta(batch_size), self.kv_caches)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -87,16 +92,16 @@ class DecodeGraphs:
         for batch_size in reversed(self.batch_sizes):
             self._pad(0, batch_size)
             self._forward(batch_size)               # warm-up: compiles the Triton kernels outside capture
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[batch_size] = self._forward(batch_size)
             pool = graph.pool()
             self.graphs[batch_size] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
 
     def run(self, num_seqs: int) -> torch.Tensor:
-        """Logits of the decode step already written into the runner's buffers."""
+        """Logits of the decode step already written into the step buffers."""
         batch_size = next(s for s in self.batch_sizes if s >= num_seqs)
         self._pad(num_seqs, batch_size)
         if not self.capture:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from backend.core.kv_cache_utils import cdiv
 from backend.errors import InvalidRequestError
-from backend.kv_cache_manager import cdiv
 from backend.sampling_params import (MAX_SAMPLING_JSON_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                      MAX_STOP_TOKEN_IDS, SamplingParams)
 
@@ -57,6 +57,8 @@ class RequestValidator:
             raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        if params.allowed_token_ids is not None and any(t >= self.vocab_size for t in params.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids", f"token ids must be in [0, {self.vocab_size})")
         return ValidatedPrompt(ids, max_tokens)
 
     def describe_limits(self) -> str:

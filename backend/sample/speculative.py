@@ -9,7 +9,7 @@ in the step: its last verified token and the k drafts. The forward pass produces
 all 1 + k positions, which is k + 1 next-token distributions computed for the price of one
 weight read.
 
-Verification (``sampler.accept``) samples the target's own token at each position, exactly as a
+Verification (``accept``) samples the target's own token at each position, exactly as a
 step without drafts would, and keeps drafts while they equal those samples. The first sample
 that differs (or the sample after the last draft, the "bonus" token) ends the run. Every
 emitted token is therefore a sample of the target distribution at its position. For greedy
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.request import Request
-from backend.sampler import needs_logits_processing
+from backend.core.request import Request
+from backend.sample.logits_processors import blocks_drafts
 
 
 @dataclass(frozen=True)
@@ -63,4 +63,17 @@ def can_speculate(request: Request) -> bool:
     masks EOS (a position's distribution would depend on the drafts before it in the same
     step), nor with logprobs (one row of logprobs per step); not when the request opted out."""
     p = request.sampling_params
-    return p.speculative and p.logprobs is None and not needs_logits_processing(request)
+    return p.speculative and p.logprobs is None and not blocks_drafts(request)
+
+
+def accept(drafts: list[int], samples: list[int]) -> list[int]:
+    """The tokens a speculative step emits: drafts as long as they equal the target's samples
+    at their positions, then the target's sample where they first differ (or the bonus sample
+    after the last draft). ``samples`` has one entry per position verified so far; it may stop
+    at the first mismatch (a seeded request samples position by position)."""
+    emitted = []
+    for i, sample in enumerate(samples):
+        emitted.append(sample)
+        if i >= len(drafts) or sample != drafts[i]:
+            break
+    return emitted

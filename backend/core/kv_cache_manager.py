@@ -7,25 +7,9 @@ The scheduler asks two questions: "how much of this prompt is already cached?"
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-
-from backend.block_pool import BlockPool, KVBlock
-from backend.request import Request
-
-_ROOT_HASH = b"\x00" * 32
-
-
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """Chained hash of one full block: it identifies the block's tokens *and* everything before
-    them, which is what K/V depend on. sha256 so that collisions are not a correctness risk."""
-    digest = hashlib.sha256(parent_hash or _ROOT_HASH)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from backend.core.block_pool import BlockPool, KVBlock
+from backend.core.kv_cache_utils import cdiv, request_block_hashes
+from backend.core.request import Request
 
 
 class KVCacheManager:
@@ -45,18 +29,12 @@ class KVCacheManager:
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_blocks.get(request_id, [])
 
-    def _update_block_hashes(self, request: Request) -> None:
-        bs = self.block_size
-        hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
-
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's tokens, in whole blocks. The last token is
         never served from cache: its logits must be computed."""
         if not self.enable_caching or request.num_computed_tokens > 0:
             return [], 0
-        self._update_block_hashes(request)
+        request_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -100,7 +78,7 @@ class KVCacheManager:
         admitted later in the same step may share them."""
         if not self.enable_caching:
             return
-        self._update_block_hashes(request)
+        request_block_hashes(request, self.block_size)
         blocks = self.req_blocks[request.request_id]
         start = self._num_registered.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from backend.outputs import FinishReason
 from backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.sample.constraints import TokenConstraint
 
 
 class RequestStatus(enum.Enum):
@@ -27,6 +32,14 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FinishReason(self.value) if self.is_finished else None
+
+    @classmethod
+    def finished_with(cls, reason: FinishReason) -> "RequestStatus":
+        return cls(reason.value)
 
 
 @dataclass
@@ -46,9 +59,17 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     generator: torch.Generator | None = None   # per-request RNG when a seed is given
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Block-hash extra keys (backend/core/kv_cache_utils.py): what besides the tokens decides
+    # whether a cached block may be reused by this request.
+    lora_id: int | None = None
+    cache_salt: str | None = None
+    # What the next token may be (allowed_token_ids, a grammar); None: anything.
+    constraint: "TokenConstraint | None" = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.cache_salt is None:
+            self.cache_salt = self.sampling_params.cache_salt
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
@@ -70,3 +91,5 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint.advance(token_id)

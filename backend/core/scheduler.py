@@ -8,7 +8,7 @@ counter reset, and it goes back to the waiting queue (where its early arrival pu
 near the front). ``batching="static"`` is the naive baseline: a new batch is formed only
 once every request of the previous one has finished.
 
-Speculative decoding (backend/speculative.py) adds a last phase: a decoding request with a
+Speculative decoding (backend/sample/speculative.py) adds a last phase: a decoding request with a
 draft proposal gets its drafts scheduled as extra tokens of its decode, from whatever budget
 and free blocks are left (drafts never preempt anyone and are the first thing dropped).
 After the step, ``finish_speculation`` moves the counter back over the rejected drafts and
@@ -21,9 +21,10 @@ import heapq
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
-from backend.kv_cache_manager import KVCacheManager, cdiv
-from backend.request import Request, RequestStatus
-from backend.speculative import NgramProposer, can_speculate
+from backend.core.kv_cache_manager import KVCacheManager
+from backend.core.kv_cache_utils import cdiv
+from backend.core.request import Request, RequestStatus
+from backend.sample.speculative import NgramProposer, can_speculate
 
 
 @dataclass

@@ -1,17 +1,14 @@
 """Llama-family decoder (llama, mistral, qwen2, qwen3) over a packed batch with a paged KV cache.
 
 One forward computes every scheduled token of every request at once; attention reads K/V
-only from the paged cache through ``kernels``. Weights come from a Hugging Face folder
-(safetensors) or are random (``load_format="dummy"``) from its config.json. q/k/v and
-gate/up projections are fused at load time (fewer, larger matmuls).
+only from the paged cache through ``kernels``. q/k/v and gate/up projections are fused
+(fewer, larger matmuls); ``backend.model.loader`` fills them from a checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,67 +16,8 @@ from torch import nn
 
 import kernels
 from kernels import cpu_native
-from backend.cpu_linear import Int8Linear, NativeLinear, PackedLinear, replace_linears
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelArchitecture:
-    """What the forward pass needs from config.json, normalised across model families."""
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    initializer_range: float
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelArchitecture":
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
-        # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
-        # rope_theta + rope_scaling at the top level.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        num_heads = cfg["num_attention_heads"]
-        max_pos = cfg.get("max_position_embeddings", 2048)
-        if model_type == "mistral" and cfg.get("sliding_window"):
-            # Attention here is full-context: only serve what the sliding window would see.
-            max_pos = min(max_pos, cfg["sliding_window"])
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
-            initializer_range=cfg.get("initializer_range", 0.02),
-        )
+from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_linear import NativeLinear, PackedLinear, replace_linears
 
 
 def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
@@ -288,7 +226,7 @@ class CausalLM(nn.Module):
         return applies
 
     def pack_for_cpu(self, kind: str) -> None:
-        """Repack every projection and the LM head for a CPU kernel (backend/cpu_linear.py):
+        """Repack every projection and the LM head for a CPU kernel (backend/model/cpu_linear.py):
         ``native`` (ours) or ``onednn``. A tied head keeps the embedding table for lookups
         and gets a packed copy for logits."""
         make = {"native": NativeLinear, "onednn": PackedLinear}[kind]
@@ -296,82 +234,3 @@ class CausalLM(nn.Module):
         self.packed_lm_head = make(weight, None)
         self.lm_head = None
         replace_linears(self.model.layers, make)
-
-
-# ---- weights -------------------------------------------------------------------------------
-_FUSED = {  # fused parameter -> the checkpoint's parts, in concatenation order
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
-def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
-               cpu_linear: str = "torch", quantization: str = "none", cpu_fused_ops: bool = False) -> CausalLM:
-    """``cpu_linear``: a resolved choice (``backend.cpu_linear.resolve_cpu_linear``);
-    ``cpu_fused_ops``: see ``CausalLM.use_fused_cpu_ops``."""
-    folder = Path(folder)
-    with torch.device("meta"):
-        model = CausalLM(arch, attention_backend)
-    # Parameters are created in the target dtype on the target device: an 8B model never
-    # exists in float32 on the GPU.
-    model = model.to_empty(device=device).to(dtype)
-    if load_format == "dummy":
-        # Drawn on the device (fast for large models); the same seed gives the same weights.
-        generator = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    values = torch.randn(param.shape, generator=generator, device=device)
-                    param.copy_(values.mul_(arch.initializer_range))
-    else:
-        _load_checkpoint(model, _checkpoint_tensors(folder))
-    # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
-    model.inv_freq = rope_inverse_frequencies(arch).to(device)
-    if quantization == "int8":
-        # The decoder's projections only: the LM head stays in the model dtype (its rounding
-        # would move every logit), and is packed below.
-        replace_linears(model.model.layers, Int8Linear)
-    # float32 only (resolve_cpu_linear): oneDNN packs bfloat16 weights only on CPUs with
-    # AVX512-BF16 / AVX-NE-CONVERT, and none has been measured here.
-    if cpu_linear in ("native", "onednn"):
-        model.pack_for_cpu(cpu_linear)
-    model.use_fused_cpu_ops(cpu_fused_ops)
-    return model.eval()
-
-
-def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for name, param in params.items():
-        sources = [name]
-        for fused, parts in _FUSED.items():
-            if fused + "." in name:
-                sources = [name.replace(fused, part) for part in parts]
-        missing = [s for s in sources if s not in tensors]
-        if missing:
-            raise KeyError(f"checkpoint lacks {missing} (needed for {name})")
-        value = torch.cat([tensors[s] for s in sources], dim=0) if len(sources) > 1 else tensors[sources[0]]
-        if value.shape != param.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
-        param.data.copy_(value)
-        loaded.update(sources)
-    ignored = {k for k in tensors if k not in loaded and not k.endswith("rotary_emb.inv_freq")}
-    if model.lm_head is None:
-        ignored.discard("lm_head.weight")  # tied: some checkpoints store the copy anyway
-    if ignored:
-        raise KeyError(f"checkpoint tensors not used by the model: {sorted(ignored)[:5]}")

@@ -1,7 +1,7 @@
 """The engine: request intake and validation, the step loop, output assembly.
 
 Single-threaded by design: whoever calls ``step()`` owns the scheduler and KV state.
-The serving layer runs it on its own thread (see ``backend.engine_loop``).
+The serving layer runs it on its own thread (see ``backend.engine.loop``).
 """
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from backend.config import EngineConfig
-from backend.detokenizer import IncrementalDetokenizer
+from backend.core.kv_cache_manager import KVCacheManager
+from backend.core.request import Request, RequestStatus
+from backend.core.scheduler import Scheduler, SchedulerOutput
+from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.validation import Prompt, RequestValidator
 from backend.errors import InvalidRequestError, QueueFullError
-from backend.kv_cache_manager import KVCacheManager
-from backend.model import ModelArchitecture
-from backend.model_runner import ModelRunner
-from backend.outputs import RequestOutput
-from backend.request import Request, RequestStatus
-from backend.sampler import Sampler, SamplerOutput
+from backend.model.architecture import ModelArchitecture
+from backend.outputs import FinishReason, RequestOutput
+from backend.sample.constraints import AllowedTokenIds
+from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler, SchedulerOutput
-from backend.validation import Prompt, RequestValidator
+from backend.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ class Engine:
                           arrival_seq=next(self._arrivals),
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+        if params.allowed_token_ids is not None:
+            request.constraint = AllowedTokenIds(params.allowed_token_ids, self.arch.vocab_size)
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.scheduler.add_request(request)
@@ -266,7 +269,7 @@ class Engine:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finish_reason="error",
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finish_reason=FinishReason.ERROR,
                              num_prompt_tokens=request.num_prompt_tokens,
                              num_cached_tokens=max(request.num_cached_tokens, 0),
                              num_output_tokens=request.num_output_tokens, finish_message=f"{type(error).__name__}: {error}",
@@ -279,7 +282,7 @@ class Engine:
         where they would one token per step; tokens after the end are dropped."""
         params = request.sampling_params
         detok = self._detokenizers[request.request_id]
-        finish: str | None = None
+        finish: FinishReason | None = None
         stop_reason: str | int | None = None
         delta = ""
         appended: list[int] = []
@@ -288,17 +291,17 @@ class Engine:
             appended.append(token_id)
             self.generation_tokens_total += 1
             if token_id in self.eos_token_ids and not params.ignore_eos:
-                finish, stop_reason = "stop", token_id
+                finish, stop_reason = FinishReason.STOP, token_id
             elif token_id in params.stop_token_ids:
-                finish, stop_reason = "stop", token_id
+                finish, stop_reason = FinishReason.STOP, token_id
             else:
                 text, stop_string = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
                 delta += text
                 if stop_string is not None:
-                    finish, stop_reason = "stop", stop_string
+                    finish, stop_reason = FinishReason.STOP, stop_string
             if finish is None and (request.num_output_tokens >= request.max_tokens
                                    or request.num_tokens >= self.max_model_len):
-                finish = "length"
+                finish = FinishReason.LENGTH
             if finish is not None:
                 break
         if logprobs is not None:   # requests with logprobs take no drafts: one token
@@ -308,12 +311,11 @@ class Engine:
             return self._output(request, appended, delta, new_logprobs, None)
         if not isinstance(stop_reason, str):
             delta += detok.finish()  # release text held back for a stop string that never came
-        status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
-        self.scheduler.finish_request(request, status)
+        self.scheduler.finish_request(request, RequestStatus.finished_with(finish))
         return self._finish_output(request, appended, delta, new_logprobs, stop_reason)
 
     def _output(self, request: Request, new_ids: list[int], delta: str,
-                new_logprobs: list[dict[int, float]] | None, finish_reason: str | None,
+                new_logprobs: list[dict[int, float]] | None, finish_reason: FinishReason | None,
                 stop_reason: str | int | None = None) -> RequestOutput:
         want_logprobs = request.sampling_params.logprobs is not None
         detokenizer = self._detokenizers[request.request_id]
@@ -327,7 +329,7 @@ class Engine:
 
     def _finish_output(self, request: Request, new_ids: list[int], delta: str,
                        new_logprobs: list[dict[int, float]] | None, stop_reason: str | int | None) -> RequestOutput:
-        output = self._output(request, new_ids, delta, new_logprobs, request.status.value, stop_reason)
+        output = self._output(request, new_ids, delta, new_logprobs, request.status.finish_reason, stop_reason)
         del self.requests[request.request_id]
         del self._detokenizers[request.request_id]
         return output

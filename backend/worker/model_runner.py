@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -21,11 +20,14 @@ import torch
 
 import kernels
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from backend.cpu_linear import resolve_cpu_linear
-from backend.cuda_graphs import DecodeGraphs, capture_sizes
-from backend.kv_cache_manager import cdiv
-from backend.model import AttentionMetadata, ModelArchitecture, load_model
-from backend.request import Request
+from backend.core.kv_cache_utils import cdiv
+from backend.core.request import Request
+from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_linear import resolve_cpu_linear
+from backend.model.llama import AttentionMetadata
+from backend.model.loader import load_model
+from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -56,44 +58,6 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchitecture) -> int:
     return min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-
-
-@dataclass
-class StepBuffers:
-    """Preallocated inputs of one step: rows ``[:num_tokens]`` / ``[:num_seqs]`` are live.
-    The runner keeps a host set (written through numpy views) and, on CUDA, a device set the
-    model and the CUDA graphs read in place; on CPU both are the same object."""
-    input_ids: torch.Tensor       # [max_tokens] int64
-    positions: torch.Tensor       # [max_tokens] int64
-    slot_mapping: torch.Tensor    # [max_tokens] int64
-    query_start_loc: torch.Tensor  # [max_seqs + 1] int32
-    seq_lens: torch.Tensor        # [max_seqs] int32
-    block_tables: torch.Tensor    # [max_seqs, max_blocks_per_seq] int32
-    logits_indices: torch.Tensor  # [max_tokens] int64 (a row per sequence, or per verified draft position)
-
-    @classmethod
-    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 pin_memory: bool = False) -> "StepBuffers":
-        def new(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory and device.type == "cpu")
-        return cls(new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int64),
-                   new(max_tokens, dtype=torch.int64), new(max_seqs + 1, dtype=torch.int32),
-                   new(max_seqs, dtype=torch.int32), new(max_seqs, max_blocks_per_seq, dtype=torch.int32),
-                   new(max_tokens, dtype=torch.int64))
-
-    def numpy(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
-
-    def copy_rows_from(self, other: "StepBuffers", num_tokens: int, num_seqs: int, num_logits: int,
-                       num_block_columns: int) -> None:
-        """Asynchronous host->device copy of the live rows (the host side is pinned)."""
-        for name, rows in (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
-                           ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs),
-                           ("logits_indices", num_logits)):
-            getattr(self, name)[:rows].copy_(getattr(other, name)[:rows], non_blocking=True)
-        # Only the columns this step's sequences use; later columns are never read.
-        self.block_tables[:num_seqs, :num_block_columns].copy_(
-            other.block_tables[:num_seqs, :num_block_columns], non_blocking=True)
 
 
 class ModelRunner:
@@ -142,7 +106,8 @@ class ModelRunner:
         # The reference attention syncs with the host (it loops over sequences), which a
         # CUDA graph cannot capture: graphs go with the Triton kernels only.
         if on_cuda and not config.enforce_eager and self.attention_backend == "triton":
-            self.decode_graphs = DecodeGraphs(self, capture_sizes(self.max_seqs), capture=True)
+            self.decode_graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, capture_sizes(self.max_seqs),
+                                              self.max_model_len, capture=True)
 
     # ---- memory ------------------------------------------------------------------------------
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

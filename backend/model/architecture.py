@@ -1,0 +1,68 @@
+"""The model's shape, read from a Hugging Face config.json and normalised across the
+Llama family (llama, mistral, qwen2, qwen3)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """What the forward pass needs from config.json, normalised across model families."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    initializer_range: float
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelArchitecture":
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+        # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
+        # rope_theta + rope_scaling at the top level.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        num_heads = cfg["num_attention_heads"]
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        if model_type == "mistral" and cfg.get("sliding_window"):
+            # Attention here is full-context: only serve what the sliding window would see.
+            max_pos = min(max_pos, cfg["sliding_window"])
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            initializer_range=cfg.get("initializer_range", 0.02),
+        )

@@ -1,0 +1,89 @@
+"""Model weights: a Hugging Face folder's safetensors (fused into our q/k/v and gate/up
+projections), or random weights from its config.json (``load_format="dummy"``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_linear import Int8Linear, replace_linears
+from backend.model.llama import CausalLM, rope_inverse_frequencies
+
+_FUSED = {  # fused parameter -> the checkpoint's parts, in concatenation order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
+               cpu_linear: str = "torch", quantization: str = "none", cpu_fused_ops: bool = False) -> CausalLM:
+    """``cpu_linear``: a resolved choice (``backend.model.cpu_linear.resolve_cpu_linear``);
+    ``cpu_fused_ops``: see ``CausalLM.use_fused_cpu_ops``."""
+    folder = Path(folder)
+    with torch.device("meta"):
+        model = CausalLM(arch, attention_backend)
+    # Parameters are created in the target dtype on the target device: an 8B model never
+    # exists in float32 on the GPU.
+    model = model.to_empty(device=device).to(dtype)
+    if load_format == "dummy":
+        # Drawn on the device (fast for large models); the same seed gives the same weights.
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    values = torch.randn(param.shape, generator=generator, device=device)
+                    param.copy_(values.mul_(arch.initializer_range))
+    else:
+        _load_checkpoint(model, _checkpoint_tensors(folder))
+    # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
+    model.inv_freq = rope_inverse_frequencies(arch).to(device)
+    if quantization == "int8":
+        # The decoder's projections only: the LM head stays in the model dtype (its rounding
+        # would move every logit), and is packed below.
+        replace_linears(model.model.layers, Int8Linear)
+    # float32 only (resolve_cpu_linear): oneDNN packs bfloat16 weights only on CPUs with
+    # AVX512-BF16 / AVX-NE-CONVERT, and none has been measured here.
+    if cpu_linear in ("native", "onednn"):
+        model.pack_for_cpu(cpu_linear)
+    model.use_fused_cpu_ops(cpu_fused_ops)
+    return model.eval()
+
+
+def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, param in params.items():
+        sources = [name]
+        for fused, parts in _FUSED.items():
+            if fused + "." in name:
+                sources = [name.replace(fused, part) for part in parts]
+        missing = [s for s in sources if s not in tensors]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing} (needed for {name})")
+        value = torch.cat([tensors[s] for s in sources], dim=0) if len(sources) > 1 else tensors[sources[0]]
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+        param.data.copy_(value)
+        loaded.update(sources)
+    ignored = {k for k in tensors if k not in loaded and not k.endswith("rotary_emb.inv_freq")}
+    if model.lm_head is None:
+        ignored.discard("lm_head.weight")  # tied: some checkpoints store the copy anyway
+    if ignored:
+        raise KeyError(f"checkpoint tensors not used by the model: {sorted(ignored)[:5]}")

@@ -1,0 +1,74 @@
+"""Token constraints: what a request's next token may be, as a packed bitmask per position.
+
+The bitmask layout is xgrammar's: ``[rows, ceil(vocab / 32)]`` int32, bit ``t % 32`` of word
+``t // 32`` set when token ``t`` is allowed. A constraint fills one row for the request's next
+token and, when the step verifies speculative drafts, one more row per draft: the row after
+``drafts[:j]``. The engine tells the constraint every token the request emits (``advance``),
+so a stateful constraint (a grammar matcher) follows the text; draft rows are computed from
+a look-ahead that the constraint undoes before ``fill_bitmask`` returns.
+
+``bitmask_to_bool`` is the obvious torch reference of the unpacking that a fast path (e.g.
+xgrammar's own kernel) must match.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+BITS_PER_WORD = 32
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return -(-vocab_size // BITS_PER_WORD)
+
+
+def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """All tokens disallowed."""
+    return torch.zeros((num_rows, bitmask_width(vocab_size)), dtype=torch.int32)
+
+
+def bitmask_from_ids(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """One row with exactly ``token_ids`` allowed."""
+    bits = torch.zeros(bitmask_width(vocab_size) * BITS_PER_WORD, dtype=torch.int64)
+    bits[torch.tensor(sorted(set(token_ids)), dtype=torch.int64)] = 1
+    words = (bits.view(-1, BITS_PER_WORD) << torch.arange(BITS_PER_WORD)).sum(dim=1)
+    # Bit 31 makes a word >= 2**31: wrap to int32 as the packed layout stores it.
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).unsqueeze(0)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, vocab_size]`` bool, True where allowed. Columns beyond the bitmask's width (a
+    model whose logits cover more ids than the tokenizer knows) are disallowed."""
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.cat([bits, bits.new_zeros(bits.shape[0], vocab_size - bits.shape[1])], dim=1)
+
+
+class TokenConstraint(abc.ABC):
+    """A request's restriction of its next tokens."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, drafts: list[int]) -> None:
+        """Write ``len(drafts) + 1`` rows (they arrive all zero): the next token's, then the
+        token's after each prefix of ``drafts``. Leaves the constraint's state as it was."""
+
+    def advance(self, token_id: int) -> None:
+        """The request emitted ``token_id`` (it was allowed)."""
+
+    def is_complete(self) -> bool:
+        """Nothing more may follow (e.g. the grammar's root rule ended)."""
+        return False
+
+
+class AllowedTokenIds(TokenConstraint):
+    """vLLM's ``allowed_token_ids``: the same fixed set at every position."""
+
+    def __init__(self, token_ids: list[int], vocab_size: int) -> None:
+        self._row = bitmask_from_ids(token_ids, vocab_size)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, drafts: list[int]) -> None:
+        bitmask[:] = self._row

@@ -1,0 +1,165 @@
+"""Logits processors: each changes the rows of a step's logits that its requests need changed,
+before anything is sampled. The sampler runs them as a list, in order.
+
+A processor is stateless across steps. ``prepare`` looks at the step's requests once (when the
+step's ``SamplingMetadata`` is built) and returns what ``apply`` needs, or None when no row
+of the step is affected, so a step without penalties, min_tokens or constraints costs
+nothing here. ``apply`` works in place on float32 logits that the sampler has already copied.
+
+Rows: request i owns ``rows[i]``, its first row followed by one row per speculative draft.
+Penalties and min_tokens depend on the tokens before the row, which for draft rows include
+drafts not yet verified; requests they apply to therefore take no drafts
+(``blocks_drafts``) and have one row. A token mask is the same for every row
+(``allowed_token_ids``) or is computed per row by the request's constraint, so constrained
+requests may take drafts.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backend.core.request import Request
+from backend.sample.constraints import bitmask_to_bool, new_bitmask
+from backend.sample.metadata import SamplingBatch
+
+
+class LogitsProcessor(abc.ABC):
+    # True when the processor's effect on a row depends on the tokens right before it, so
+    # that a draft row (which follows unverified drafts) would be processed wrongly.
+    blocks_drafts: bool = False
+
+    @abc.abstractmethod
+    def applies_to(self, request: Request) -> bool:
+        """Whether this request's next row is changed by this processor."""
+
+    @abc.abstractmethod
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> Any | None:
+        """Per-step state for ``apply``; None when no row of the step is affected."""
+
+    @abc.abstractmethod
+    def apply(self, logits: torch.Tensor, state: Any) -> None:
+        """Change ``logits`` ([rows, vocab] float32) in place."""
+
+
+# ---- 1. penalties -----------------------------------------------------------------------------
+@dataclass
+class _PenaltyRow:
+    row: int
+    repetition: float
+    presence: float
+    frequency: float
+    seen: torch.Tensor | None       # prompt + output token ids (repetition penalty)
+    outputs: torch.Tensor | None    # output token ids (presence / frequency penalties)
+
+
+class PenaltiesProcessor(LogitsProcessor):
+    """Repetition penalty (transformers' semantics: over prompt and output tokens, positive
+    logits divided, negative multiplied), then presence and frequency penalties (OpenAI's:
+    over output tokens, subtracted)."""
+    blocks_drafts = True
+
+    def applies_to(self, request: Request) -> bool:
+        p = request.sampling_params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> list[_PenaltyRow] | None:
+        state = []
+        for request, request_rows in zip(batch.requests, batch.rows):
+            if not self.applies_to(request):
+                continue
+            p = request.sampling_params
+            seen = (torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
+                    if p.repetition_penalty != 1.0 else None)
+            outputs = (torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
+                       if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and request.num_output_tokens
+                       else None)
+            state.append(_PenaltyRow(request_rows[0], p.repetition_penalty, p.presence_penalty,
+                                     p.frequency_penalty, seen, outputs))
+        return state or None
+
+    def apply(self, logits: torch.Tensor, state: list[_PenaltyRow]) -> None:
+        vocab = logits.shape[-1]
+        for entry in state:
+            row = logits[entry.row]
+            if entry.seen is not None:
+                values = row[entry.seen]
+                row[entry.seen] = torch.where(values > 0, values / entry.repetition, values * entry.repetition)
+            if entry.outputs is not None:
+                counts = torch.bincount(entry.outputs, minlength=vocab)[:vocab].to(row.dtype)
+                row -= entry.frequency * counts + entry.presence * (counts > 0).to(row.dtype)
+
+
+# ---- 2. min_tokens: stop-id suppression ---------------------------------------------------------
+class MinTokensProcessor(LogitsProcessor):
+    """Until a request has ``min_tokens`` output tokens, its EOS ids (unless ``ignore_eos``)
+    and its ``stop_token_ids`` cannot be sampled."""
+    blocks_drafts = True
+
+    def applies_to(self, request: Request) -> bool:
+        return request.num_output_tokens < request.sampling_params.min_tokens
+
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for request, request_rows in zip(batch.requests, batch.rows):
+            if not self.applies_to(request):
+                continue
+            p = request.sampling_params
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
+            banned_ids = sorted(t for t in banned if t < vocab_size)
+            row_index += [request_rows[0]] * len(banned_ids)
+            token_index += banned_ids
+        if not row_index:
+            return None
+        return (torch.tensor(row_index, dtype=torch.int64, device=device),
+                torch.tensor(token_index, dtype=torch.int64, device=device))
+
+    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        logits[state] = float("-inf")
+
+
+# ---- 3. token masks: allowed_token_ids, grammars ----------------------------------------------
+class AllowedTokensProcessor(LogitsProcessor):
+    """Rows whose request constrains its next token (``Request.constraint``: a fixed set of
+    allowed ids, or a grammar) keep only the allowed tokens; every other logit becomes -inf.
+    The constraint writes one packed bitmask row (xgrammar's layout: 32 tokens per int32,
+    bit set = allowed) per logits row, the draft rows included, so a draft the constraint
+    rejects can never equal the sample at its position and is never accepted."""
+
+    def applies_to(self, request: Request) -> bool:
+        return request.constraint is not None
+
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        constrained = [i for i, r in enumerate(batch.requests) if self.applies_to(r)]
+        if not constrained:
+            return None
+        bitmask = new_bitmask(sum(len(batch.rows[i]) for i in constrained), vocab_size)
+        row_index: list[int] = []
+        for i in constrained:
+            start = len(row_index)
+            row_index += batch.rows[i]
+            batch.requests[i].constraint.fill_bitmask(bitmask[start:len(row_index)], batch.drafts[i])
+        return torch.tensor(row_index, dtype=torch.int64, device=device), bitmask.to(device)
+
+    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        row_index, bitmask = state
+        allowed = bitmask_to_bool(bitmask, logits.shape[-1])
+        logits[row_index] = logits[row_index].masked_fill(~allowed, float("-inf"))
+
+
+def default_processors() -> list[LogitsProcessor]:
+    """The engine's processors, in the order they run."""
+    return [PenaltiesProcessor(), MinTokensProcessor(), AllowedTokensProcessor()]
+
+
+_DRAFT_BLOCKING = [p for p in default_processors() if p.blocks_drafts]
+
+
+def blocks_drafts(request: Request) -> bool:
+    """A processor whose effect depends on the tokens before a row applies to this request's
+    next row: it takes no speculative drafts this step."""
+    return any(p.applies_to(request) for p in _DRAFT_BLOCKING)
