@@ -9,10 +9,12 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """A request (prompt or sampling parameter) is invalid. ``field`` names the culprit."""
+    """A request (prompt or sampling parameter) is invalid. ``field`` names the culprit; the
+    message starts with it unless ``verbatim`` (a message another server's clients match
+    word for word)."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, *, verbatim: bool = False) -> None:
+        super().__init__(message if verbatim else f"{field}: {message}")
         self.field = field
 
 

@@ -15,6 +15,14 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"        # failed inside an engine step; finish_message says why
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a position's logprobs (vLLM's fields)."""
+    logprob: float          # of the model's raw distribution (before penalties and temperature)
+    rank: int               # 1 = the most likely token at that position
+    decoded_token: str = ""  # the token's text on its own
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -24,7 +32,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int              # prompt tokens served from the prefix cache
     num_output_tokens: int              # generated so far, this step's included
-    new_logprobs: list[dict[int, float]] | None = None   # per new token, when asked
+    new_logprobs: list[dict[int, Logprob]] | None = None  # per new token, when asked
+    cumulative_logprob: float | None = None              # sum over the generated tokens, when logprobs are asked
     stop_reason: str | int | None = None                 # the stop string or token id that ended it
     finish_message: str | None = None                    # why, for "error" and server-side "abort"
     # The cumulative views (token_ids, text, logprobs) are read on demand from the request's
@@ -33,7 +42,7 @@ class RequestOutput:
     _all_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
     _detokenizer: Any = field(default=None, repr=False, compare=False)
     _text_length: int = 0
-    _all_logprobs: list[dict[int, float]] | None = field(default=None, repr=False, compare=False)
+    _all_logprobs: list[dict[int, Logprob]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -51,7 +60,7 @@ class RequestOutput:
         return self._detokenizer.text[:self._text_length] if self._detokenizer is not None else ""
 
     @property
-    def logprobs(self) -> list[dict[int, float]] | None:
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
         """Per generated token, when asked."""
         return None if self._all_logprobs is None else self._all_logprobs[:self.num_output_tokens]
 

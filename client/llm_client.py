@@ -52,6 +52,15 @@ def routing_headers(prefix_key: str | None) -> dict[str, str]:
     return {PREFIX_KEY_HEADER: prefix_key} if prefix_key else {}
 
 
+# finish_reason of a response that is not the last (the vLLM backend's convention, which we follow).
+NOT_FINISHED = "None"
+
+
+def _finish_reason(raw: str | bytes | None) -> str | None:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return None if text in (None, NOT_FINISHED) else text
+
+
 class LLMError(Exception):
     """The server ended a request with an error (message as Triton sent it)."""
 
@@ -114,7 +123,7 @@ def parse_result(request_id: str, result: Any) -> StreamChunk:
     message = scalar("finish_message")
     return StreamChunk(request_id=request_id, text=text.decode("utf-8") if text is not None else "",
                        num_output_tokens=int(num_output) if num_output is not None else 0, final=final,
-                       finish_reason=finish.decode() if finish is not None else None,
+                       finish_reason=_finish_reason(finish),
                        num_input_tokens=int(num_input) if num_input is not None else None,
                        num_cached_tokens=int(num_cached) if num_cached is not None else None,
                        finish_message=message.decode("utf-8", "replace") if message is not None else None)
@@ -275,7 +284,7 @@ def http_generate_stream(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = 
                 raise LLMError(event["error"])
             yield StreamChunk(request_id=event.get("id", ""), text=event.get("text_output", ""),
                               num_output_tokens=int(event.get("num_output_tokens", 0)),
-                              final=event.get("finish_reason") is not None,
-                              finish_reason=event.get("finish_reason"),
+                              final=_finish_reason(event.get("finish_reason")) is not None,
+                              finish_reason=_finish_reason(event.get("finish_reason")),
                               num_input_tokens=event.get("num_input_tokens"),
                               num_cached_tokens=event.get("num_cached_tokens"), served_by=served_by)

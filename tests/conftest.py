@@ -67,3 +67,17 @@ def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, model_dir: Path):
+    """The real tritonserver with the llm model, shared by the server tests of a session.
+    Speculative decoding is on, as a user would turn it on: it must change no output (greedy
+    and seeded outputs are compared with an engine without it)."""
+    from server.launch import TritonServer, free_ports
+
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram"}, log_file=log)
+    srv.start(timeout=300)
+    yield srv
+    srv.stop()

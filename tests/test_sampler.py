@@ -369,7 +369,8 @@ def test_logprobs_are_raw_log_softmax_and_include_the_sampled_token() -> None:
         assert out.token_ids[row][0] in entry
         assert set(entry) == set(top) | {out.token_ids[row][0]}
         for token, value in entry.items():
-            assert value == pytest.approx(float(reference[row, token]), abs=1e-5)
+            assert value.logprob == pytest.approx(float(reference[row, token]), abs=1e-5)
+            assert value.rank == 1 + int((reference[row] > reference[row, token]).sum())
 
 
 def test_logprobs_for_a_sampled_token_outside_the_top_n() -> None:
@@ -381,8 +382,9 @@ def test_logprobs_for_a_sampled_token_outside_the_top_n() -> None:
     assert out.token_ids == [[1]]
     assert out.logprobs[0] is not None
     assert set(out.logprobs[0]) == {0, 1}          # the top-1 entry and the sampled token
-    assert out.logprobs[0][0] == pytest.approx(float(reference[0]), abs=1e-6)
-    assert out.logprobs[0][1] == pytest.approx(float(reference[1]), abs=1e-6)   # raw, not penalised
+    assert out.logprobs[0][0].logprob == pytest.approx(float(reference[0]), abs=1e-6)
+    assert out.logprobs[0][1].logprob == pytest.approx(float(reference[1]), abs=1e-6)   # raw, not penalised
+    assert (out.logprobs[0][0].rank, out.logprobs[0][1].rank) == (1, 3)   # 5.0 > 4.5 > 4.0
 
 
 def test_logprobs_zero_gives_only_the_sampled_token() -> None:
@@ -391,7 +393,7 @@ def test_logprobs_zero_gives_only_the_sampled_token() -> None:
     out = Sampler(seed=0)(logits, [request])
     entry = out.logprobs[0]
     assert entry is not None and list(entry) == out.token_ids[0]
-    assert entry[out.token_ids[0][0]] == pytest.approx(float(torch.log_softmax(logits[0], 0)[out.token_ids[0][0]]), abs=1e-6)
+    assert entry[out.token_ids[0][0]].logprob == pytest.approx(float(torch.log_softmax(logits[0], 0)[out.token_ids[0][0]]), abs=1e-6)
 
 
 def test_sampler_does_not_modify_the_logits() -> None:

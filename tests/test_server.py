@@ -25,17 +25,6 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, model_dir: Path):
-    log = tmp_path_factory.mktemp("triton") / "server.log"
-    # Speculative decoding on, as a user would turn it on: it must change no output (greedy and
-    # seeded outputs are compared with an engine without it below).
-    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram"}, log_file=log)
-    srv.start(timeout=300)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="session")
 def engine(model_dir: Path) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512))
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backend.outputs import FinishReason
+from backend.outputs import FinishReason, Logprob
 from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     generator: torch.Generator | None = None   # per-request RNG when a seed is given
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0       # sum of the generated tokens' logprobs (when logprobs are asked)
     # Block-hash extra keys (backend/core/kv_cache_utils.py): what besides the tokens decides
     # whether a cached block may be reused by this request.
     lora_id: int | None = None

@@ -10,7 +10,7 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,7 +22,7 @@ from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.validation import Prompt, RequestValidator
 from backend.errors import InvalidRequestError, QueueFullError
 from backend.model.architecture import ModelArchitecture
-from backend.outputs import FinishReason, RequestOutput
+from backend.outputs import FinishReason, Logprob, RequestOutput
 from backend.sample.constraints import AllowedTokenIds
 from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
@@ -275,7 +275,7 @@ class Engine:
                              num_output_tokens=request.num_output_tokens, finish_message=f"{type(error).__name__}: {error}",
                              _all_token_ids=request.token_ids)
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, float] | None,
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, Logprob] | None,
                        ) -> RequestOutput:
         """Append this step's tokens (more than one after accepted drafts) one by one, so
         that EOS, stop ids, stop strings, min_tokens and max_tokens end the request exactly
@@ -304,9 +304,13 @@ class Engine:
                 finish = FinishReason.LENGTH
             if finish is not None:
                 break
+        new_logprobs = None
         if logprobs is not None:   # requests with logprobs take no drafts: one token
+            logprobs = {token: replace(entry, decoded_token=self.tokenizer.decode([token]))
+                        for token, entry in logprobs.items()}
             request.logprobs.append(logprobs)
-        new_logprobs = [logprobs] if logprobs is not None else None
+            request.cumulative_logprob += logprobs[token_ids[0]].logprob
+            new_logprobs = [logprobs]
         if finish is None:
             return self._output(request, appended, delta, new_logprobs, None)
         if not isinstance(stop_reason, str):
@@ -315,7 +319,7 @@ class Engine:
         return self._finish_output(request, appended, delta, new_logprobs, stop_reason)
 
     def _output(self, request: Request, new_ids: list[int], delta: str,
-                new_logprobs: list[dict[int, float]] | None, finish_reason: FinishReason | None,
+                new_logprobs: list[dict[int, Logprob]] | None, finish_reason: FinishReason | None,
                 stop_reason: str | int | None = None) -> RequestOutput:
         want_logprobs = request.sampling_params.logprobs is not None
         detokenizer = self._detokenizers[request.request_id]
@@ -323,12 +327,13 @@ class Engine:
             request_id=request.request_id, new_token_ids=new_ids, new_text=delta, finish_reason=finish_reason,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens, new_logprobs=new_logprobs if want_logprobs else None,
+            cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
             stop_reason=stop_reason, _all_token_ids=request.token_ids, _detokenizer=detokenizer,
             _text_length=detokenizer.num_released_chars,
             _all_logprobs=request.logprobs if want_logprobs else None)
 
     def _finish_output(self, request: Request, new_ids: list[int], delta: str,
-                       new_logprobs: list[dict[int, float]] | None, stop_reason: str | int | None) -> RequestOutput:
+                       new_logprobs: list[dict[int, Logprob]] | None, stop_reason: str | int | None) -> RequestOutput:
         output = self._output(request, new_ids, delta, new_logprobs, request.status.finish_reason, stop_reason)
         del self.requests[request.request_id]
         del self._detokenizers[request.request_id]

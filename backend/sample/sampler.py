@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.core.request import Request
+from backend.outputs import Logprob
 from backend.sample.logits_processors import LogitsProcessor, default_processors
 from backend.sample.metadata import RowFilter, SamplingBatch, SamplingMetadata
 from backend.sample.speculative import accept
@@ -34,7 +35,8 @@ from backend.sample.speculative import accept
 @dataclass
 class SamplerOutput:
     token_ids: list[list[int]]                # per request: the tokens it emits this step (>= 1)
-    logprobs: list[dict[int, float] | None]   # per request: its (single) token + top-n, when asked
+    logprobs: list[dict[int, Logprob] | None]  # per request: its (single) token + top-n, when asked
+                                               # (decoded_token is filled in by the engine)
 
 
 class Sampler:
@@ -108,16 +110,18 @@ class Sampler:
         # 6. Verification.
         token_ids = [accept(drafts, request_samples) for drafts, request_samples in zip(batch.drafts, samples)]
         # 7. Logprobs (requests that want them take no drafts: their one row is their first).
-        logprobs: list[dict[int, float] | None] = [None] * len(batch.requests)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(batch.requests)
         if raw_logprobs is not None:
             for i, n in enumerate(meta.num_logprobs):
                 if n is None:
                     continue
                 token, row_logprobs = token_ids[i][0], raw_logprobs[batch.rows[i][0]]
-                entry = {token: float(row_logprobs[token])}
+                entry: dict[int, Logprob] = {}
                 if n > 0:
                     values, ids = row_logprobs.topk(n)
-                    entry.update(zip(ids.tolist(), values.tolist()))
+                    entry.update((t, Logprob(v, rank)) for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), 1))
+                value = row_logprobs[token]
+                entry[token] = Logprob(float(value), 1 + int((row_logprobs > value).sum()))
                 logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
 

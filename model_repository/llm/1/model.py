@@ -16,6 +16,7 @@ may finish for ``drain_timeout_s``, the rest end with finish_reason "abort" and 
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import itertools
 import json
@@ -39,6 +40,7 @@ sys.path.insert(0, str(PROJECT_ROOT))
 from backend import (Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
                      ShuttingDownError)
 from backend.engine.loop import EngineLoop
+from server import vllm_protocol
 from server.metrics import EngineMetrics
 
 POLL_INTERVAL_S = 0.1
@@ -48,7 +50,8 @@ UNLOAD_CONFIRM_POLLS = 3
 # writes DRAIN_FILE + ".done" once nothing is in flight; only then is tritonserver signalled.
 DRAIN_FILE_ENV = "LLM_DRAIN_FILE"
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_num_cached_tokens", "return_logprobs")
+               "return_num_output_tokens", "return_num_cached_tokens", "return_logprobs",
+               "return_cumulative_logprob")
 logger = logging.getLogger("llm")
 
 
@@ -60,6 +63,7 @@ class _Stream:
     flags: dict[str, bool]
     prompt_text: str
     num_prompt_tokens: int
+    logprobs_asked: bool = False   # the client's sampling parameters asked for logprobs
     cancelled: bool = False
     # Triton deletes a sender's response factory once the FINAL flag is sent; calling
     # is_cancelled() on it after that (or while it happens) crashes tritonserver (SIGSEGV in
@@ -131,12 +135,17 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request: Any, sender: Any) -> None:
-        flags = {name: _bool_input(request, name) for name in BOOL_INPUTS}
+        given = {name: _bool_input(request, name) for name in BOOL_INPUTS}
+        vllm_protocol.check_stream_flags(bool(given["stream"]), given["exclude_input_in_output"])
+        flags = {name: bool(value) for name, value in given.items()}
         prompt_text, prompt = _prompt_input(request, self.loop.validator.max_model_len,
                                             self.loop.validator.max_prompt_bytes)
         params = _sampling_params(request)
+        logprobs_asked = params.logprobs is not None
+        if flags["return_cumulative_logprob"] and not logprobs_asked:
+            params = dataclasses.replace(params, logprobs=0)   # the sampled tokens' logprobs, summed
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
-        stream = _Stream(request_id, sender, flags, prompt_text, 0)
+        stream = _Stream(request_id, sender, flags, prompt_text, 0, logprobs_asked)
         with self._lock:
             self._streams[request_id] = stream
         try:
@@ -216,27 +225,32 @@ class TritonPythonModel:
         stream.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
     def _output_tensors(self, stream: _Stream, out: RequestOutput, streaming: bool) -> list[Any]:
+        """The vLLM backend's outputs (server/vllm_protocol.py): each requested one on every
+        response; streaming sends deltas, a single response the whole completion."""
         flags = stream.flags
         if streaming:
             text, num_output, logprobs = out.new_text, len(out.new_token_ids), out.new_logprobs
         else:
             prefix = "" if flags["exclude_input_in_output"] else stream.prompt_text
             text, num_output, logprobs = prefix + out.text, len(out.token_ids), out.logprobs
-        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        tensors = [_string_tensor("text_output", text)]
         # A response the server cut short always says so, asked or not.
-        if out.finished and (flags["return_finish_reason"] or out.finish_message):
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([out.finish_reason.encode()], dtype=np.object_)))
+        if flags["return_finish_reason"] or (out.finished and out.finish_message):
+            tensors.append(_string_tensor("finish_reason", vllm_protocol.finish_reason_text(out.finish_reason)))
         if out.finished and out.finish_message:
-            tensors.append(pb_utils.Tensor("finish_message", np.array([out.finish_message.encode()], dtype=np.object_)))
+            tensors.append(_string_tensor("finish_message", out.finish_message))
         if flags["return_num_input_tokens"]:
             tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
         if flags["return_num_output_tokens"]:
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array([num_output], dtype=np.uint32)))
         if flags["return_num_cached_tokens"]:
             tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([out.num_cached_tokens], dtype=np.uint32)))
-        if flags["return_logprobs"] and logprobs is not None:
-            payload = json.dumps([{str(k): v for k, v in entry.items()} for entry in logprobs])
-            tensors.append(pb_utils.Tensor("logprobs", np.array([payload.encode()], dtype=np.object_)))
+        if flags["return_cumulative_logprob"]:
+            value = out.cumulative_logprob if out.cumulative_logprob is not None else float("nan")
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
+        if flags["return_logprobs"]:
+            payload = vllm_protocol.logprobs_json(logprobs if stream.logprobs_asked else None)
+            tensors.append(_string_tensor("logprobs", payload))
         return tensors
 
     @staticmethod
@@ -336,10 +350,15 @@ def _coalesce(items: list[tuple[_Stream, RequestOutput | BaseException]],
 
 
 # ---- input parsing ------------------------------------------------------------------------------
-def _bool_input(request: Any, name: str) -> bool:
+def _string_tensor(name: str, text: str) -> Any:
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+def _bool_input(request: Any, name: str) -> bool | None:
+    """The flag's value, or None when the request does not send it."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
-        return False
+        return None
     values = tensor.as_numpy().reshape(-1)
     if values.size != 1:
         raise InvalidRequestError(name, "must hold exactly one boolean")
@@ -374,10 +393,13 @@ def _prompt_input(request: Any, max_ids: int, max_bytes: int) -> tuple[str, str 
 
 
 def _sampling_params(request: Any) -> SamplingParams:
+    """From the sampling_parameters tensor and Triton's request parameters (the tensor's keys
+    win), as Triton's vLLM backend takes them."""
     tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
-    if tensor is None:
-        return SamplingParams()
-    raw = tensor.as_numpy().reshape(-1)
-    if raw.size != 1:
-        raise InvalidRequestError("sampling_parameters", "must hold exactly one JSON string")
-    return SamplingParams.from_json(raw[0])
+    tensor_json = None
+    if tensor is not None:
+        raw = tensor.as_numpy().reshape(-1)
+        if raw.size != 1:
+            raise InvalidRequestError("sampling_parameters", "must hold exactly one JSON string")
+        tensor_json = raw[0]
+    return vllm_protocol.sampling_params(tensor_json, request.parameters())

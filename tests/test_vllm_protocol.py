@@ -1,0 +1,72 @@
+"""The vLLM backend's request and response conventions (server/vllm_protocol.py), without a
+server: string numbers, request parameters under the tensor, the streaming flag rule, and
+the response payloads. tests/test_vllm_backend_clients.py runs that backend's own clients
+against the real server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.errors import InvalidRequestError
+from backend.outputs import Logprob
+from server.vllm_protocol import (NOT_FINISHED, NULL_LOGPROBS, STREAM_WITH_INPUT_MESSAGE, check_stream_flags,
+                                  coerce_value, finish_reason_text, logprobs_json, sampling_params)
+
+
+def test_the_sample_clients_string_numbers_are_converted() -> None:
+    params = sampling_params(json.dumps({"temperature": "0.1", "top_p": "0.95", "max_tokens": "100"}))
+    assert (params.temperature, params.top_p, params.max_tokens) == (pytest.approx(0.1), pytest.approx(0.95), 100)
+
+
+@pytest.mark.parametrize("kind, raw, expected", [
+    (int, " 42 ", 42), (int, "-1", -1), (int, 7.0, 7), (int, "1.5", "1.5"), (int, "abc", "abc"), (int, 2.5, 2.5),
+    (float, "1e-3", 0.001), (float, "0", 0.0), (float, "nan", "nan"), (float, "x", "x"),
+    (bool, "false", False), (bool, "True", True), (bool, "0", False), (bool, "maybe", "maybe"), (bool, 1, 1),
+])
+def test_coercion_by_field_type(kind: type, raw, expected) -> None:
+    assert coerce_value(kind, raw) == expected
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"max_tokens": "many"}, "max_tokens"), ({"max_tokens": "1.5"}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"), ({"ignore_eos": "perhaps"}, "ignore_eos"),
+    ({"seed": "nan"}, "seed"),
+])
+def test_a_non_numeric_string_stays_a_clear_invalid_arg(values: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as error:
+        sampling_params(json.dumps(values))
+    assert error.value.field == field and repr(next(iter(values.values()))) in str(error.value)
+
+
+def test_request_parameters_count_and_the_tensor_wins() -> None:
+    params = sampling_params(json.dumps({"temperature": 0}), json.dumps({"temperature": 1.0, "max_tokens": 40}))
+    assert params.temperature == 0.0 and params.max_tokens == 40
+    # LiteLLM's triton/ provider: no tensor, parameters only.
+    assert sampling_params(None, json.dumps({"max_tokens": 7})).max_tokens == 7
+    # Triton's own request parameters are not sampling parameters.
+    assert sampling_params(None, json.dumps({"timeout": 5, "max_tokens": 3})).max_tokens == 3
+
+
+def test_unknown_request_parameters_are_named() -> None:
+    with pytest.raises(InvalidRequestError, match="temprature"):
+        sampling_params(None, json.dumps({"temprature": 0}))
+
+
+def test_streaming_with_the_prompt_echoed_is_refused_with_the_backends_message() -> None:
+    check_stream_flags(stream=True, exclude_input_in_output=None)
+    check_stream_flags(stream=True, exclude_input_in_output=True)
+    check_stream_flags(stream=False, exclude_input_in_output=False)
+    with pytest.raises(InvalidRequestError) as error:
+        check_stream_flags(stream=True, exclude_input_in_output=False)
+    assert str(error.value) == STREAM_WITH_INPUT_MESSAGE
+
+
+def test_response_payloads() -> None:
+    assert finish_reason_text(None) == NOT_FINISHED == "None"
+    assert finish_reason_text("length") == "length"
+    assert logprobs_json(None) == NULL_LOGPROBS == "null"
+    payload = json.loads(logprobs_json([{5: Logprob(-0.25, 1, " the"), 9: Logprob(-2.0, 2, " a")}]))
+    assert payload == [{"5": {"logprob": -0.25, "rank": 1, "decoded_token": " the"},
+                        "9": {"logprob": -2.0, "rank": 2, "decoded_token": " a"}}]
