@@ -7,6 +7,8 @@ They map one-to-one onto Triton error codes in the serving layer:
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class InvalidRequestError(ValueError):
     """A request (prompt or sampling parameter) is invalid. ``field`` names the culprit; the
@@ -24,3 +26,19 @@ class QueueFullError(RuntimeError):
 
 class ShuttingDownError(RuntimeError):
     """The server is draining (shutdown or model unload): no new requests; retry elsewhere."""
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """A user-supplied value for an error message: repr (which escapes control characters such
+    as NUL, which would otherwise cut the message short in transport), truncated."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def is_encodable(text: str) -> bool:
+    """Valid Unicode (no lone surrogates, e.g. from a JSON "\\ud800" escape)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -36,6 +36,9 @@ class RequestOutput:
     cumulative_logprob: float | None = None              # sum over the generated tokens, when logprobs are asked
     stop_reason: str | int | None = None                 # the stop string or token id that ended it
     finish_message: str | None = None                    # why, for "error" and server-side "abort"
+    # For "error": set when the request itself was at fault (e.g. its grammar did not compile),
+    # so that it reaches the client as an invalid request, not as a failed step.
+    error: Exception | None = None
     # The cumulative views (token_ids, text, logprobs) are read on demand from the request's
     # append-only lists and the detokenizer's text, up to this step's lengths: copying them
     # into every step's output would cost O(length) per token, O(n^2) over a generation.

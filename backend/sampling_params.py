@@ -8,7 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.errors import InvalidRequestError
+from backend.errors import InvalidRequestError, is_encodable, show
+from backend.structured_outputs import (GUIDE, GUIDE_TYPE, STRUCTURED_OUTPUTS, GrammarSpec, parse_guided_decoding,
+                                        parse_structured_outputs)
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -24,6 +26,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TEMPERATURE = 100.0                # beyond this every distribution is uniform to float32 anyway
 MAX_REPETITION_PENALTY = 100.0
 MAX_TOP_K = 2**31 - 1
+MAX_N = 64                             # completions per request (each one is a request in the queue)
 MAX_CACHE_SALT_CHARS = 256
 MAX_ALLOWED_TOKEN_IDS = 65536                  # values >= the vocabulary size mean "disabled"
 
@@ -39,21 +42,6 @@ def _is_number(value: Any) -> bool:
         return math.isfinite(float(value))
     except OverflowError:   # an int too large for a float
         return False
-
-
-def _is_encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def show(value: Any, limit: int = 80) -> str:
-    """A user-supplied value for an error message: repr (which escapes control characters such
-    as NUL, which would otherwise cut the message short in transport), truncated."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -73,8 +61,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0       # [-2, 2]
     priority: int = 0                    # lower value is served first (scheduling_policy="priority")
     logprobs: int | None = None          # top-n logprobs per generated token (0 = sampled token only)
-    # Accepted for OpenAI-style clients (Triton's OpenAI frontend always sends n, and best_of
-    # for completions), with their only supported value: one sequence per request.
+    # n completions of one prompt (backend/engine/parallel_sampling.py). best_of is accepted
+    # only as 1 or null (Triton's OpenAI frontend sends it for completions; vLLM V1 removed it).
     n: int = 1
     best_of: int | None = None
     # false: this request never gets speculative drafts (when the engine has speculative_method set)
@@ -84,6 +72,12 @@ class SamplingParams:
     cache_salt: str | None = None
     # Only these token ids may be generated (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
+    # Structured outputs (backend/structured_outputs.py): the output must match a JSON schema,
+    # regex, choice list or grammar. Triton's vLLM backend form (an object, or a JSON string of
+    # one), or the TensorRT-LLM backend's guide type + guide; ``grammar_spec`` is the result.
+    structured_outputs: dict[str, Any] | str | None = None
+    guided_decoding_guide_type: str | None = None
+    guided_decoding_guide: str | None = None
 
     def __post_init__(self) -> None:
         # JSON clients send null for "none" (OpenAI style); a single stop string is allowed too.
@@ -156,7 +150,7 @@ class SamplingParams:
                 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)):
             fail("stop", f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
                          f"of at most {MAX_STOP_STRING_CHARS} characters")
-        if any(not s.isascii() and not _is_encodable(s) for s in self.stop):
+        if any(not s.isascii() and not is_encodable(s) for s in self.stop):
             fail("stop", "valid Unicode (no lone surrogates)")
         if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
                 or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
@@ -177,16 +171,34 @@ class SamplingParams:
             fail("speculative", "a boolean")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
-                                            or not _is_encodable(self.cache_salt)):
+                                            or not is_encodable(self.cache_salt)):
             fail("cache_salt", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters or null")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
                 or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             fail("allowed_token_ids", f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} integers >= 0, or null")
-        if not _is_int(self.n) or self.n != 1:
-            fail("n", "1 (one sequence per request; send n requests for n completions)")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"an integer in [1, {MAX_N}]")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != 1):
-            fail("best_of", "1 or null (one sequence per request)")
+            fail("best_of", "1 or null (best_of is not supported, as in vLLM V1: use n and rank the outputs)")
+        self._grammar_spec = self._parse_grammar_spec()
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             setattr(self, name, float(getattr(self, name)))
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured-output constraint, from whichever form the request used."""
+        return self._grammar_spec
+
+    def _parse_grammar_spec(self) -> GrammarSpec | None:
+        alias = parse_guided_decoding(self.guided_decoding_guide_type, self.guided_decoding_guide)
+        if self.structured_outputs is None:
+            spec = alias
+        elif alias is not None:
+            raise InvalidRequestError(STRUCTURED_OUTPUTS, f"cannot be combined with {GUIDE_TYPE} / {GUIDE}")
+        else:
+            spec = parse_structured_outputs(self.structured_outputs)
+        if spec is not None and self.allowed_token_ids is not None:
+            raise InvalidRequestError(spec.field, "cannot be combined with allowed_token_ids")
+        return spec

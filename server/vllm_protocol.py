@@ -112,11 +112,17 @@ def sampling_values(tensor_json: str | bytes | None, request_parameters_json: st
     """The request's sampling parameters as one dict: request parameters, then the tensor's
     keys over them; numbers and booleans given as strings converted."""
     values: dict[str, Any] = {}
-    if request_parameters_json:
-        parameters = parse_json_object(request_parameters_json, "parameters")
-        values.update((k, v) for k, v in parameters.items() if k not in TRITON_RESERVED_PARAMETERS)
-    if tensor_json is not None:
-        values.update(parse_json_object(tensor_json, "sampling_parameters"))
+    for source, name in ((request_parameters_json, "parameters"), (tensor_json, "sampling_parameters")):
+        if source is None or source == "":
+            continue
+        given = parse_json_object(source, name)
+        if name == "parameters":
+            given = {k: v for k, v in given.items() if k not in TRITON_RESERVED_PARAMETERS}
+        # OpenAI's newer name for max_tokens wins over it within one source (LiteLLM sends
+        # max_completion_tokens next to its own default max_tokens).
+        if "max_completion_tokens" in given:
+            given["max_tokens"] = given.pop("max_completion_tokens")
+        values.update(given)
     return coerce_values(values)
 
 

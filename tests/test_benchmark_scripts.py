@@ -47,3 +47,13 @@ def test_speculative_benchmark_runs(tmp_path: Path) -> None:
     assert "edit :" in done.stdout
     result = json.loads(out.read_text())["results"]["edit"]
     assert result["on"]["tokens"] == result["off"]["tokens"] and result["on"]["drafted"] > 0
+
+
+def test_structured_outputs_benchmark_runs(tmp_path: Path) -> None:
+    """The schema vs no-schema comparison (docs/structured_outputs.md) runs end to end."""
+    out = tmp_path / "structured.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.structured_outputs", "--requests", "2", "--rounds", "1",
+                           "--max-tokens", "16", "--json", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text())

@@ -296,18 +296,20 @@ def test_openai_frontend_request_is_served(stream: bool, server: TritonServer, e
         assert len(texts) == 1 and len(results) <= 2
 
 
-def test_openai_frontend_n_above_one_is_invalid_arg(server: TritonServer) -> None:
-    results, errors = raw_request(server, openai_frontend_inputs("Hello", True, {**OPENAI_FRONTEND_SAMPLING, "n": 2}))
+def test_openai_frontend_n_is_served_and_out_of_range_n_is_invalid_arg(server: TritonServer) -> None:
+    results, errors = raw_request(server, openai_frontend_inputs("Hello", False, {**OPENAI_FRONTEND_SAMPLING, "n": 2}))
+    assert not errors and results[-1].as_numpy("text_output").shape == (2,)
+    results, errors = raw_request(server, openai_frontend_inputs("Hello", True, {**OPENAI_FRONTEND_SAMPLING, "n": 65}))
     assert not results and len(errors) == 1
-    assert "n: must be 1" in str(errors[0])
+    assert "n: must be an integer in [1, 64]" in str(errors[0])
     # Over HTTP the same request gets the code as a status: INVALID_ARG is 400.
     body = {"text_input": "Hello", "stream": False, "exclude_input_in_output": True,
-            "sampling_parameters": json.dumps({**OPENAI_FRONTEND_SAMPLING, "n": 2}),
+            "sampling_parameters": json.dumps({**OPENAI_FRONTEND_SAMPLING, "n": 65}),
             "return_num_input_tokens": True, "return_num_output_tokens": True}
     request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
-    assert info.value.code == 400 and "n: must be 1" in json.loads(info.value.read())["error"]
+    assert info.value.code == 400 and "n: must be an integer in [1, 64]" in json.loads(info.value.read())["error"]
 
 
 def test_error_codes_are_invalid_arg(server: TritonServer) -> None:

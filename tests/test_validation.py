@@ -118,10 +118,11 @@ def test_from_dict_rejects_unknown_keys_naming_them() -> None:
     assert "beam_width" in str(info.value)
 
 
-@pytest.mark.parametrize("name,bad", [("n", 2), ("n", 0), ("n", "1"), ("best_of", 2), ("best_of", 1.0)])
-def test_only_one_sequence_per_request(name: str, bad: Any) -> None:
-    # OpenAI-style clients always send n (and best_of): 1 is accepted, anything else named.
+@pytest.mark.parametrize("name,bad", [("n", 65), ("n", 0), ("n", "1"), ("best_of", 2), ("best_of", 1.0)])
+def test_n_in_range_and_best_of_only_1(name: str, bad: Any) -> None:
+    # OpenAI-style clients always send n (and best_of): best_of 1 is accepted, anything else named.
     assert SamplingParams.from_dict({"n": 1, "best_of": 1}).n == 1
+    assert SamplingParams.from_dict({"n": 64}).n == 64
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams.from_dict({name: bad})
     assert info.value.field == name

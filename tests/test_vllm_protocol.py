@@ -49,6 +49,12 @@ def test_request_parameters_count_and_the_tensor_wins() -> None:
     assert sampling_params(None, json.dumps({"timeout": 5, "max_tokens": 3})).max_tokens == 3
 
 
+def test_max_completion_tokens_is_openais_name_for_max_tokens() -> None:
+    # LiteLLM passes it through next to its own default max_tokens of 2000.
+    assert sampling_params(None, json.dumps({"max_tokens": 2000, "max_completion_tokens": 9})).max_tokens == 9
+    assert sampling_params(json.dumps({"max_completion_tokens": "4"})).max_tokens == 4
+
+
 def test_unknown_request_parameters_are_named() -> None:
     with pytest.raises(InvalidRequestError, match="temprature"):
         sampling_params(None, json.dumps({"temprature": 0}))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,6 +19,16 @@ from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from backend.sample.constraints import TokenConstraint
+
+
+class PendingConstraint(Protocol):
+    """A constraint still being built off the engine thread (a grammar compiling). Its request
+    waits in the queue, holding no blocks, until ``done()``; ``result()`` is the constraint,
+    or raises why there is none (InvalidRequestError: the request is at fault)."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> "TokenConstraint": ...
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +76,8 @@ class Request:
     cache_salt: str | None = None
     # What the next token may be (allowed_token_ids, a grammar); None: anything.
     constraint: "TokenConstraint | None" = None
+    # The constraint while it is built; the scheduler installs it before admission.
+    pending_constraint: PendingConstraint | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -89,6 +101,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def constraint_complete(self) -> bool:
+        """The constraint allows nothing more (a grammar accepted its end-of-sequence token):
+        the request ends with "stop", even under ignore_eos."""
+        return self.constraint is not None and self.constraint.is_complete()
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -13,12 +13,19 @@ draft proposal gets its drafts scheduled as extra tokens of its decode, from wha
 and free blocks are left (drafts never preempt anyone and are the first thing dropped).
 After the step, ``finish_speculation`` moves the counter back over the rejected drafts and
 frees the blocks that only they needed.
+
+A waiting request whose constraint is still being built off the engine thread (a grammar
+compiling, ``Request.pending_constraint``) is passed over by admission: it keeps its place in
+the queue and holds no blocks, and the requests behind it are admitted in policy order. Once
+built, the constraint is installed; if it could not be built, the request is finished with
+an error (``on_constraint_error`` tells the engine).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
@@ -77,9 +84,13 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
+                 on_constraint_error: Callable[[Request, Exception], None] | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # Called with a waiting request whose constraint could not be built, after it was
+        # finished (FINISHED_ERROR), so that its final output reports why.
+        self.on_constraint_error = on_constraint_error
         self.waiting = WaitingQueue(config.scheduling_policy == "priority")
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -146,8 +157,11 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        while budget > 0 and len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+        not_ready: list[Request] = []
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_ready(not_ready)
+            if request is None:
+                break
             computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
             if remaining > budget and not self.config.enable_chunked_prefill:
@@ -164,7 +178,35 @@ class Scheduler:
             self.running.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        self._requeue(not_ready)
         return budget
+
+    def _peek_ready(self, not_ready: list[Request]) -> Request | None:
+        """The first waiting request, in policy order, that may be admitted now. Requests
+        whose constraint is still being built are moved to ``not_ready`` (``_requeue`` puts
+        them back, with their keys: their place in the queue is kept)."""
+        while len(self.waiting) > 0:
+            request = self.waiting.peek()
+            pending = request.pending_constraint
+            if pending is None:
+                return request
+            if not pending.done():
+                not_ready.append(self.waiting.pop())
+                continue
+            request.pending_constraint = None
+            try:
+                request.constraint = pending.result()
+            except Exception as exc:  # noqa: BLE001 - the request's own failure (e.g. its grammar)
+                self.finish_request(request, RequestStatus.FINISHED_ERROR)
+                if self.on_constraint_error is not None:
+                    self.on_constraint_error(request, exc)
+                continue
+            return request
+        return None
+
+    def _requeue(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.waiting.push(request)
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give decoding requests their n-gram drafts as extra tokens of this step. A draft
@@ -181,6 +223,8 @@ class Scheduler:
                 continue
             max_drafts = min(budget, request.max_tokens - request.num_output_tokens - 1)
             drafts = self.proposer.propose(request.token_ids, max_drafts)
+            if drafts and request.constraint is not None:   # drafts the constraint rejects cannot be accepted
+                drafts = drafts[:request.constraint.num_valid_drafts(drafts)]
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 out.num_scheduled_tokens[rid] = 1 + len(drafts)
                 out.spec_token_ids[rid] = drafts
@@ -199,8 +243,11 @@ class Scheduler:
         free KV blocks together (so the batch never preempts), then run them to completion.
         No prefix-cache hits: this is the baseline continuous batching is measured against."""
         reserved = 0
-        while len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+        not_ready: list[Request] = []
+        while len(self.running) < self.config.max_num_seqs:
+            request = self._peek_ready(not_ready)
+            if request is None:
+                break
             need = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv_cache.block_size)
             if reserved + need > self.kv_cache.num_free_blocks:
                 break
@@ -210,6 +257,7 @@ class Scheduler:
                 request.num_cached_tokens = 0
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+        self._requeue(not_ready)
 
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Send a running request back to the waiting queue, to be recomputed (also used

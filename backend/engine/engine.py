@@ -24,6 +24,7 @@ from backend.errors import InvalidRequestError, QueueFullError
 from backend.model.architecture import ModelArchitecture
 from backend.outputs import FinishReason, Logprob, RequestOutput
 from backend.sample.constraints import AllowedTokenIds
+from backend.sample.grammar import GrammarService
 from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
 from backend.worker.model_runner import ModelRunner
@@ -91,9 +92,10 @@ class Engine:
         self.runner = ModelRunner(config, self.arch)
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache)
+        self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed)
         self.validator = self.make_validator()
         self.sampler = Sampler(config.seed)
+        self._grammars: GrammarService | None = None   # built on the first structured-output request
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[RequestOutput] = []   # e.g. aborts, reported by the next step()
@@ -114,6 +116,11 @@ class Engine:
             raise InvalidRequestError("request_id", "must be a non-empty string")
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        if params.n != 1:
+            # The engine schedules sequences; a parent with n completions is fanned out into n
+            # requests above it (backend/engine/parallel_sampling.py).
+            raise InvalidRequestError("n", "the engine takes one sequence per request: submit n > 1 through "
+                                           "EngineLoop.submit, or submit child_params(params, i) for each i")
         validated = self.validator.validate(prompt, params)
         prompt_ids, max_tokens = validated.prompt_token_ids, validated.max_tokens
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
@@ -124,9 +131,28 @@ class Engine:
                           max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
         if params.allowed_token_ids is not None:
             request.constraint = AllowedTokenIds(params.allowed_token_ids, self.arch.vocab_size)
+        if params.grammar_spec is not None:   # compiled off this thread; the request waits for it
+            request.pending_constraint = self.grammars.constraint_for(params.grammar_spec)
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.scheduler.add_request(request)
+
+    @property
+    def grammars(self) -> GrammarService:
+        """Structured outputs' grammar compiler. Built on first use (about 0.2 s: xgrammar's
+        view of the vocabulary), so that engines never asked for one do not pay for it."""
+        if self._grammars is None:
+            self._grammars = GrammarService.for_tokenizer(self.tokenizer, self.arch.vocab_size,
+                                                          sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _constraint_failed(self, request: Request, error: Exception) -> None:
+        """The scheduler could not build a waiting request's constraint (its grammar did not
+        compile) and finished it; its final output goes out with the next step's."""
+        output = self._fail_request(request, error)
+        if isinstance(error, InvalidRequestError):
+            output.error = error
+        self._pending_outputs.append(output)
 
     def make_validator(self, tokenizer: Any | None = None) -> RequestValidator:
         """A validator with this engine's limits; pass a separate tokenizer to use it from
@@ -299,6 +325,8 @@ class Engine:
                 delta += text
                 if stop_string is not None:
                     finish, stop_reason = FinishReason.STOP, stop_string
+            if finish is None and request.constraint_complete:
+                finish, stop_reason = FinishReason.STOP, token_id   # the grammar ended (ignore_eos too)
             if finish is None and (request.num_output_tokens >= request.max_tokens
                                    or request.num_tokens >= self.max_model_len):
                 finish = FinishReason.LENGTH
@@ -306,7 +334,7 @@ class Engine:
                 break
         new_logprobs = None
         if logprobs is not None:   # requests with logprobs take no drafts: one token
-            logprobs = {token: replace(entry, decoded_token=self.tokenizer.decode([token]))
+            logprobs = {token: replace(entry, decoded_token=self._token_text(token))
                         for token, entry in logprobs.items()}
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token_ids[0]].logprob
@@ -317,6 +345,12 @@ class Engine:
             delta += detok.finish()  # release text held back for a stop string that never came
         self.scheduler.finish_request(request, RequestStatus.finished_with(finish))
         return self._finish_output(request, appended, delta, new_logprobs, stop_reason)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text on its own, as the output text shows it (special tokens such as EOS
+        are not in the text, so their text is ""): the rank-1 entries of a stream's logprobs
+        concatenate to its text."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
 
     def _output(self, request: Request, new_ids: list[int], delta: str,
                 new_logprobs: list[dict[int, Logprob]] | None, finish_reason: FinishReason | None,

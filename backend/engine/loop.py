@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backend.engine.engine import Engine, EngineStats, load_tokenizer
+from backend.engine.parallel_sampling import ParallelOutput, ParentRequest, child_params
 from backend.engine.validation import Prompt, ValidatedPrompt
 from backend.errors import QueueFullError, ShuttingDownError
 from backend.outputs import FinishReason, RequestOutput
@@ -33,12 +34,19 @@ logger = logging.getLogger(__name__)
 
 # Receives each RequestOutput of the request, or one exception that ends it.
 OutputCallback = Callable[[RequestOutput | BaseException], None]
+# The same for a request with n > 1 (all its children in each output).
+ParallelCallback = Callable[[ParallelOutput | BaseException], None]
 
 
 # glibc keeps freed heap memory (steps of ever-different shapes leave it fragmented) instead
 # of returning it: a 30-minute soak grew the stub's RSS by 17% with no live object behind it,
 # and malloc_trim(0) gave it all back. The loop trims this often, between steps.
 TRIM_INTERVAL_S = 30.0
+
+# When requests are in flight but a step had nothing to run (every one is waiting for its
+# grammar to compile), the loop waits this long, or until a submission or abort, before it
+# looks again: a compile takes milliseconds to seconds, and spinning would take a core from it.
+NOTHING_TO_RUN_WAIT_S = 0.002
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -84,6 +92,7 @@ class EngineLoop:
         self._stopping = False
         self._drain_deadline: float | None = None   # monotonic time; set once draining
         self._idle = threading.Event()              # set while no request is in flight
+        self._children: dict[str, list[str]] = {}   # n > 1: parent id -> child ids, until it ends
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Loop-thread state.
         self._malloc_trim = _load_malloc_trim()
@@ -102,29 +111,57 @@ class EngineLoop:
         return self
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams,
-               callback: OutputCallback) -> ValidatedPrompt:
+               callback: OutputCallback | ParallelCallback) -> ValidatedPrompt:
         """Validate and enqueue. Raises InvalidRequestError or QueueFullError at once; after a
-        successful return every outcome (outputs or an error) arrives through ``callback``."""
+        successful return every outcome (outputs or an error) arrives through ``callback``.
+        With ``params.n > 1`` the request fans out into n children (backend/engine/
+        parallel_sampling.py), which count against the queue limit, and ``callback`` receives
+        ``ParallelOutput``s."""
         validated = self.validator.validate(prompt, params)
+        now = time.monotonic()
+        if params.n == 1:
+            submits = [_Submit(request_id, validated.prompt_token_ids, params, callback, now)]
+        else:
+            parent = ParentRequest(request_id, params.n, len(validated.prompt_token_ids),
+                                   self._parent_callback(request_id, callback))
+            submits = [_Submit(child, validated.prompt_token_ids, child_params(params, i), parent.child_callback(i), now)
+                       for i, child in enumerate(parent.child_ids)]
         with self._cond:
             if self._stopping or self._drain_deadline is not None:
                 raise ShuttingDownError("server is shutting down; retry on another replica")
             # The engine's own queue length is read without its thread's cooperation; it is an
             # estimate, and the engine re-checks when the command is applied.
             waiting = self._num_pending_submits + len(self.engine.scheduler.waiting)
-            if waiting >= self.engine.config.max_waiting_requests:
+            if waiting + len(submits) > self.engine.config.max_waiting_requests:
                 raise QueueFullError(f"waiting queue is full ({self.engine.config.max_waiting_requests} "
                                      f"requests); retry later")
-            self._inbox.append(_Submit(request_id, validated.prompt_token_ids, params, callback, time.monotonic()))
-            self._num_pending_submits += 1
+            if params.n > 1:
+                self._children[request_id] = [submit.request_id for submit in submits]
+            self._inbox.extend(submits)
+            self._num_pending_submits += len(submits)
             self._idle.clear()
             self._cond.notify()
         return validated
 
+    def _parent_callback(self, request_id: str, callback: ParallelCallback) -> ParallelCallback:
+        """The parent's callback, which also forgets the parent once it ended and aborts the
+        other children when one failed."""
+        def deliver(item: ParallelOutput | BaseException) -> None:
+            if isinstance(item, BaseException) or item.finished:
+                with self._cond:
+                    children = self._children.pop(request_id, [])
+                if isinstance(item, BaseException):
+                    for child in children:
+                        self.abort(child)
+            callback(item)
+        return deliver
+
     def abort(self, request_id: str) -> None:
-        """Ask the loop to abort a request; its callback then receives a final "abort" output."""
+        """Ask the loop to abort a request (all its children when it has n > 1); its callback
+        then receives a final "abort" output."""
         with self._cond:
-            self._inbox.append(_Abort(request_id))
+            for target in self._children.get(request_id, [request_id]):
+                self._inbox.append(_Abort(target))
             self._cond.notify()
 
     def drain(self, timeout: float) -> None:
@@ -180,15 +217,22 @@ class EngineLoop:
                     self._fail_all(EngineStepError(f"server is shutting down; aborting failed: {exc!r}"))
                 continue
             started = time.monotonic()
+            steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving: fail what was in flight, not the server
                 logger.exception("engine step failed")
                 self._fail_all(EngineStepError(f"engine step failed: {exc!r}"))
                 continue
-            self.latency_samples.append(LatencySample("step", time.monotonic() - started))
+            nothing_ran = self.engine.num_steps == steps_before and not outputs
+            if not nothing_ran:
+                self.latency_samples.append(LatencySample("step", time.monotonic() - started))
             self._deliver(outputs)
             self.stats = self.engine.stats()
+            if nothing_ran:
+                with self._cond:
+                    if not self._inbox and not self._stopping:
+                        self._cond.wait(NOTHING_TO_RUN_WAIT_S)
             if self._malloc_trim is not None and time.monotonic() - self._last_trim > TRIM_INTERVAL_S:
                 self._malloc_trim(0)
                 self._last_trim = time.monotonic()
@@ -225,7 +269,9 @@ class EngineLoop:
                 del self._callbacks[request_id], self._arrival[request_id]
                 self._last_token_time.pop(request_id, None)
             try:
-                if output.finish_reason is FinishReason.ERROR:   # failed inside a step, alone: an error, not text
+                if output.error is not None:
+                    callback(output.error)   # e.g. its grammar did not compile: the request's fault
+                elif output.finish_reason is FinishReason.ERROR:   # failed inside a step, alone: an error, not text
                     callback(EngineStepError(f"request failed in an engine step: {output.finish_message}"))
                 else:
                     callback(output)

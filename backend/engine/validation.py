@@ -12,8 +12,10 @@ from typing import Any, Sequence
 
 from backend.core.kv_cache_utils import cdiv
 from backend.errors import InvalidRequestError
+from backend.sample.grammar import check_grammar
 from backend.sampling_params import (MAX_SAMPLING_JSON_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                      MAX_STOP_TOKEN_IDS, SamplingParams)
+from backend.structured_outputs import MAX_GRAMMAR_CHARS
 
 Prompt = str | Sequence[int]
 
@@ -59,6 +61,8 @@ class RequestValidator:
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
         if params.allowed_token_ids is not None and any(t >= self.vocab_size for t in params.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        if params.grammar_spec is not None:   # parse only (no vocabulary): compiling is the engine's
+            check_grammar(params.grammar_spec)
         return ValidatedPrompt(ids, max_tokens)
 
     def describe_limits(self) -> str:
@@ -67,7 +71,8 @@ class RequestValidator:
                 f"prompt + max_tokens <= {self.max_model_len} tokens (max_model_len) and <= "
                 f"{self.num_kv_blocks * self.block_size} (the whole KV cache); stop <= {MAX_STOP_STRINGS} strings "
                 f"of <= {MAX_STOP_STRING_CHARS} chars; stop_token_ids <= {MAX_STOP_TOKEN_IDS}; "
-                f"sampling_parameters JSON <= {MAX_SAMPLING_JSON_BYTES} bytes")
+                f"sampling_parameters JSON <= {MAX_SAMPLING_JSON_BYTES} bytes; structured-output schema, regex, "
+                f"grammar or choices <= {MAX_GRAMMAR_CHARS} chars")
 
     @property
     def max_prompt_bytes(self) -> int:

@@ -7,8 +7,9 @@ token and, when the step verifies speculative drafts, one more row per draft: th
 so a stateful constraint (a grammar matcher) follows the text; draft rows are computed from
 a look-ahead that the constraint undoes before ``fill_bitmask`` returns.
 
-``bitmask_to_bool`` is the obvious torch reference of the unpacking that a fast path (e.g.
-xgrammar's own kernel) must match.
+``bitmask_to_bool`` is the obvious torch reference of the unpacking; ``mask_logits_`` is what
+the engine runs, which must match it. (xgrammar's own CPU kernel, ``apply_token_bitmask_inplace``,
+measured slower than both on an AVX-512 CPU: docs/structured_outputs.md.)
 """
 
 from __future__ import annotations
@@ -48,13 +49,47 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([bits, bits.new_zeros(bits.shape[0], vocab_size - bits.shape[1])], dim=1)
 
 
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """``1 << i`` for i in 0..31 as int32 (bit 31 is the sign bit)."""
+    if device not in _BIT_VALUES:
+        values = torch.tensor([1 << i for i in range(BITS_PER_WORD)], dtype=torch.int64)
+        _BIT_VALUES[device] = torch.where(values >= 2**31, values - 2**32, values).to(torch.int32).to(device)
+    return _BIT_VALUES[device]
+
+
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits`` to -inf where ``bitmask``'s bit is clear (row r of one masks row r of
+    the other), in place: the caller passes a slice of the step's logits, so no row is
+    gathered or scattered back. Columns beyond the bitmask's width are disallowed, as in
+    ``bitmask_to_bool``."""
+    vocab = logits.shape[-1]
+    disallowed = (bitmask.unsqueeze(-1) & _bit_values(bitmask.device)).eq(0).flatten(1)
+    if disallowed.shape[1] > vocab:
+        disallowed = disallowed[:, :vocab]
+    elif disallowed.shape[1] < vocab:
+        logits[:, disallowed.shape[1]:] = float("-inf")
+        logits = logits[:, :disallowed.shape[1]]
+    logits.masked_fill_(disallowed, float("-inf"))
+
+
 class TokenConstraint(abc.ABC):
     """A request's restriction of its next tokens."""
+    # True when the constraint decides where the output ends (a grammar allows EOS exactly
+    # where it may end, and only EOS once complete): min_tokens then does not apply.
+    decides_end: bool = False
 
     @abc.abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, drafts: list[int]) -> None:
         """Write ``len(drafts) + 1`` rows (they arrive all zero): the next token's, then the
         token's after each prefix of ``drafts``. Leaves the constraint's state as it was."""
+
+    def num_valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading ``drafts`` the constraint allows (the scheduler does not compute
+        drafts that could never be accepted). Leaves the constraint's state as it was."""
+        return len(drafts)
 
     def advance(self, token_id: int) -> None:
         """The request emitted ``token_id`` (it was allowed)."""

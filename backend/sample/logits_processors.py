@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from backend.core.request import Request
-from backend.sample.constraints import bitmask_to_bool, new_bitmask
+from backend.sample.constraints import mask_logits_, new_bitmask
 from backend.sample.metadata import SamplingBatch
 
 
@@ -96,10 +96,14 @@ class PenaltiesProcessor(LogitsProcessor):
 # ---- 2. min_tokens: stop-id suppression ---------------------------------------------------------
 class MinTokensProcessor(LogitsProcessor):
     """Until a request has ``min_tokens`` output tokens, its EOS ids (unless ``ignore_eos``)
-    and its ``stop_token_ids`` cannot be sampled."""
+    and its ``stop_token_ids`` cannot be sampled. Not for a request whose constraint decides
+    where it ends (a grammar): banning the EOS that a complete grammar needs would leave it
+    no token at all, so the grammar wins."""
     blocks_drafts = True
 
     def applies_to(self, request: Request) -> bool:
+        if request.constraint is not None and request.constraint.decides_end:
+            return False
         return request.num_output_tokens < request.sampling_params.min_tokens
 
     def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -123,6 +127,18 @@ class MinTokensProcessor(LogitsProcessor):
 
 
 # ---- 3. token masks: allowed_token_ids, grammars ----------------------------------------------
+@dataclass
+class TokenMask:
+    """The step's packed token masks: bitmask row r masks logits row r. Only the rows of
+    constrained requests are filled and applied; the other rows stay unused."""
+    spans: list[tuple[int, int]]   # [start, stop) runs of constrained logits rows
+    bitmask: torch.Tensor          # int32 [rows of the step, ceil(vocab / 32)]
+
+    @property
+    def rows(self) -> list[int]:
+        return [row for start, stop in self.spans for row in range(start, stop)]
+
+
 class AllowedTokensProcessor(LogitsProcessor):
     """Rows whose request constrains its next token (``Request.constraint``: a fixed set of
     allowed ids, or a grammar) keep only the allowed tokens; every other logit becomes -inf.
@@ -133,22 +149,24 @@ class AllowedTokensProcessor(LogitsProcessor):
     def applies_to(self, request: Request) -> bool:
         return request.constraint is not None
 
-    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device) -> TokenMask | None:
         constrained = [i for i, r in enumerate(batch.requests) if self.applies_to(r)]
         if not constrained:
             return None
-        bitmask = new_bitmask(sum(len(batch.rows[i]) for i in constrained), vocab_size)
-        row_index: list[int] = []
+        bitmask = new_bitmask(batch.num_rows, vocab_size)
+        spans: list[tuple[int, int]] = []
         for i in constrained:
-            start = len(row_index)
-            row_index += batch.rows[i]
-            batch.requests[i].constraint.fill_bitmask(bitmask[start:len(row_index)], batch.drafts[i])
-        return torch.tensor(row_index, dtype=torch.int64, device=device), bitmask.to(device)
+            rows = batch.rows[i]
+            batch.requests[i].constraint.fill_bitmask(bitmask[rows.start:rows.stop], batch.drafts[i])
+            if spans and spans[-1][1] == rows.start:         # adjacent requests: one run
+                spans[-1] = (spans[-1][0], rows.stop)
+            else:
+                spans.append((rows.start, rows.stop))
+        return TokenMask(spans, bitmask.to(device))
 
-    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        row_index, bitmask = state
-        allowed = bitmask_to_bool(bitmask, logits.shape[-1])
-        logits[row_index] = logits[row_index].masked_fill(~allowed, float("-inf"))
+    def apply(self, logits: torch.Tensor, state: TokenMask) -> None:
+        for start, stop in state.spans:
+            mask_logits_(logits[start:stop], state.bitmask[start:stop])
 
 
 def default_processors() -> list[LogitsProcessor]:

@@ -40,9 +40,13 @@ sys.path.insert(0, str(PROJECT_ROOT))
 from backend import (Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
                      ShuttingDownError)
 from backend.engine.loop import EngineLoop
+from backend.engine.parallel_sampling import ParallelOutput
 from server import vllm_protocol
 from server.metrics import EngineMetrics
 
+# What a stream receives: one request's output, all n completions' outputs (n > 1), or the
+# error that ends it.
+Result = RequestOutput | ParallelOutput | BaseException
 POLL_INTERVAL_S = 0.1
 LOCK_TIMEOUT_S = 2.0
 UNLOAD_CONFIRM_POLLS = 3
@@ -107,7 +111,7 @@ class TritonPythonModel:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._outbox: queue.Queue[tuple[_Stream, RequestOutput | BaseException] | None] = queue.Queue()
+        self._outbox: queue.Queue[tuple[_Stream, Result] | None] = queue.Queue()
         self._stop = threading.Event()
         self._seen_ready = False
         self._not_ready_polls = 0
@@ -190,7 +194,7 @@ class TritonPythonModel:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
 
-    def _send_result(self, stream: _Stream, result: RequestOutput | BaseException) -> None:
+    def _send_result(self, stream: _Stream, result: Result) -> None:
         final = isinstance(result, BaseException) or result.finished
         if final:
             stream.mark_done()   # no cancellation check on this sender from now on
@@ -202,7 +206,7 @@ class TritonPythonModel:
         else:
             self._send_response(stream, result)
 
-    def _send_response(self, stream: _Stream, result: RequestOutput | BaseException) -> None:
+    def _send_response(self, stream: _Stream, result: Result) -> None:
         final = isinstance(result, BaseException) or result.finished
         if isinstance(result, BaseException):
             code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, (QueueFullError, ShuttingDownError)) else
@@ -212,45 +216,61 @@ class TritonPythonModel:
                 self.metrics.count_finished("error")
             self._send_error(stream.sender, str(result), code)
             return
-        if result.finish_reason == "abort" and stream.cancelled:
+        completions = _completions(result)
+        if stream.cancelled and not final:
+            return  # the client is gone: only the final (CANCELLED) response is still due
+        if stream.cancelled and any(c.finish_reason == "abort" for c in completions):
             self.metrics.count_finished("cancelled")
             self._send_error(stream.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
             return
         if result.finished:
-            self.metrics.count_finished(result.finish_reason)
+            for completion in completions:
+                self.metrics.count_finished(completion.finish_reason)
         streaming = stream.flags["stream"]
         if not streaming and not final:
             return  # non-streaming: exactly one response, carrying the final flag
         response = pb_utils.InferenceResponse(output_tensors=self._output_tensors(stream, result, streaming))
         stream.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
-    def _output_tensors(self, stream: _Stream, out: RequestOutput, streaming: bool) -> list[Any]:
+    def _output_tensors(self, stream: _Stream, result: RequestOutput | ParallelOutput,
+                        streaming: bool) -> list[Any]:
         """The vLLM backend's outputs (server/vllm_protocol.py): each requested one on every
-        response; streaming sends deltas, a single response the whole completion."""
+        response, one element per completion (n of them); streaming sends deltas, a single
+        response the whole completions."""
         flags = stream.flags
+        completions = _completions(result)
         if streaming:
-            text, num_output, logprobs = out.new_text, len(out.new_token_ids), out.new_logprobs
+            texts = [c.new_text for c in completions]
+            num_output = [len(c.new_token_ids) for c in completions]
+            logprobs = [c.new_logprobs for c in completions]
         else:
             prefix = "" if flags["exclude_input_in_output"] else stream.prompt_text
-            text, num_output, logprobs = prefix + out.text, len(out.token_ids), out.logprobs
-        tensors = [_string_tensor("text_output", text)]
+            texts = [prefix + c.text for c in completions]
+            num_output = [len(c.token_ids) for c in completions]
+            logprobs = [c.logprobs for c in completions]
+        tensors = [_string_tensor("text_output", texts)]
+        messages = sorted({c.finish_message for c in completions if c.finished and c.finish_message})
         # A response the server cut short always says so, asked or not.
-        if flags["return_finish_reason"] or (out.finished and out.finish_message):
-            tensors.append(_string_tensor("finish_reason", vllm_protocol.finish_reason_text(out.finish_reason)))
-        if out.finished and out.finish_message:
-            tensors.append(_string_tensor("finish_message", out.finish_message))
+        if flags["return_finish_reason"] or messages:
+            tensors.append(_string_tensor("finish_reason",
+                                          [vllm_protocol.finish_reason_text(c.finish_reason) for c in completions]))
+        if messages:
+            tensors.append(_string_tensor("finish_message", ["; ".join(messages)]))
         if flags["return_num_input_tokens"]:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
+            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([completions[0].num_prompt_tokens],
+                                                                         dtype=np.uint32)))
         if flags["return_num_output_tokens"]:
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([num_output], dtype=np.uint32)))
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array(num_output, dtype=np.uint32)))
         if flags["return_num_cached_tokens"]:
-            tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([out.num_cached_tokens], dtype=np.uint32)))
+            tensors.append(pb_utils.Tensor("num_cached_tokens",
+                                           np.array([c.num_cached_tokens for c in completions], dtype=np.uint32)))
         if flags["return_cumulative_logprob"]:
-            value = out.cumulative_logprob if out.cumulative_logprob is not None else float("nan")
-            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
+            values = [c.cumulative_logprob if c.cumulative_logprob is not None else float("nan") for c in completions]
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(values, dtype=np.float32)))
         if flags["return_logprobs"]:
-            payload = vllm_protocol.logprobs_json(logprobs if stream.logprobs_asked else None)
-            tensors.append(_string_tensor("logprobs", payload))
+            tensors.append(_string_tensor("logprobs", [vllm_protocol.logprobs_json(positions if stream.logprobs_asked
+                                                                                   else None)
+                                                       for positions in logprobs]))
         return tensors
 
     @staticmethod
@@ -332,26 +352,29 @@ class TritonPythonModel:
         self._sender.join(30)
 
 
-def _coalesce(items: list[tuple[_Stream, RequestOutput | BaseException]],
-              ) -> list[tuple[_Stream, RequestOutput | BaseException]]:
+def _coalesce(items: list[tuple[_Stream, Result]]) -> list[tuple[_Stream, Result]]:
     """Merge each stream's consecutive outputs, in order; errors are never merged."""
-    result: list[tuple[_Stream, RequestOutput | BaseException]] = []
+    result: list[tuple[_Stream, Result]] = []
     open_output: dict[str, int] = {}   # request id -> index in result of its unfinished output
     for stream, item in items:
         index = open_output.pop(stream.request_id, None)
-        if index is not None and isinstance(item, RequestOutput):
+        if index is not None and not isinstance(item, BaseException):
             result[index] = (stream, result[index][1].merged_with(item))
         else:
             index = len(result)
             result.append((stream, item))
-        if isinstance(item, RequestOutput) and not item.finished:
+        if not isinstance(item, BaseException) and not item.finished:
             open_output[stream.request_id] = index
     return result
 
 
 # ---- input parsing ------------------------------------------------------------------------------
-def _string_tensor(name: str, text: str) -> Any:
-    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+def _string_tensor(name: str, texts: list[str]) -> Any:
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8") for text in texts], dtype=np.object_))
+
+
+def _completions(result: RequestOutput | ParallelOutput) -> list[RequestOutput]:
+    return result.outputs if isinstance(result, ParallelOutput) else [result]
 
 
 def _bool_input(request: Any, name: str) -> bool | None:
