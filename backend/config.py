@@ -39,9 +39,10 @@ class EngineConfig:
     cpu_threads: int | None = None             # CPU: torch / OpenMP threads of the engine; None = every core
                                                # this process may run on (os.sched_getaffinity)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only int8 decoder projections (CPU opt-in)
-    cpu_linear: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU float32 linear layers: our C
-                                               # kernel, prepacked oneDNN or plain F.linear; auto = native
-                                               # where it builds (AVX2 + FMA), else onednn, else torch
+    cpu_linear: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU linear layers: our C kernel
+                                               # (float32), prepacked oneDNN (float32, bfloat16) or plain
+                                               # F.linear; auto: by CPU features and dtype, the measured
+                                               # rule in backend/model/cpu_linear.resolve_cpu_linear
     cpu_fused_ops: bool = True                 # CPU float32: residual add + RMSNorm and RoPE + KV write
                                                # fused in C (kernels/csrc/layer_ops.c); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps

@@ -7,6 +7,7 @@ decoding sequence) through ``native`` (our kernel), ``onednn`` (prepacked) and `
 the machines are shared and their speed drifts.
 
     python -m benchmarks.cpu_linear --rows 1,16,64
+    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # onednn + torch (native is float32)
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--paths", default="native,onednn,torch")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
-    weights = [torch.randn(n, k) * 0.02 for k, n in shapes]
+    weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
     makers = {"native": NativeLinear, "onednn": PackedLinear}
-    available = {"native": cpu_native.linear_available(), "onednn": onednn_packing_available(), "torch": True}
+    available = {"native": cpu_native.linear_available() and dtype == torch.float32,
+                 "onednn": onednn_packing_available(), "torch": True}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):
         if not available[path]:
@@ -51,12 +55,12 @@ def main() -> None:
             continue
         layers[path] = weights if path == "torch" else [makers[path](w, None) for w in weights]
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, {len(shapes)} matmuls per step, "
-          f"{sum(k * n for k, n in shapes) * 4 / 1e6:.0f} MB of float32 weights")
+          f"{sum(k * n for k, n in shapes) * weights[0].element_size() / 1e6:.0f} MB of {args.dtype} weights")
     print("| rows | " + " | ".join(f"{p} ms" for p in layers) + " | native speed-up over onednn |")
     print("|---" * (len(layers) + 2) + "|")
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
-            inputs = {k: torch.randn(rows, k) for k in {k for k, _ in shapes}}
+            inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes}}
             best = {path: float("inf") for path in layers}
             for _ in range(args.rounds):
                 for path, stack in layers.items():

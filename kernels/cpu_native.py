@@ -1,5 +1,5 @@
-"""The C kernels for CPU, built on first use: decode attention over the paged cache
-(kernels/csrc/paged_decode_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
+"""The C kernels for CPU, built on first use: decode attention over the paged cache, float32
+or bfloat16 (kernels/csrc/paged_decode_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
 and the fused small ops of a layer (kernels/csrc/layer_ops.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.c", "linear_f32.c",
                                                                        "layer_ops.c"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -49,9 +49,10 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def build(compiler: str = "gcc") -> Path:
-    """Compile (once per source/flags/CPU) and return the shared library's path."""
-    digest = hashlib.sha256(" ".join(CFLAGS).encode() + _cpu_signature().encode())
+def build(compiler: str = "gcc", cflags: tuple[str, ...] = CFLAGS) -> Path:
+    """Compile (once per source/flags/CPU) and return the shared library's path. ``cflags``
+    other than the default: tests build the same sources for an older instruction set."""
+    digest = hashlib.sha256(" ".join(cflags).encode() + _cpu_signature().encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
@@ -61,7 +62,7 @@ def build(compiler: str = "gcc") -> Path:
     # Build beside the target and rename: concurrent first uses never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *CFLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
+        subprocess.run([compiler, *cflags, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(out, target)
     return target
@@ -74,14 +75,23 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C compiler: CPU attention and linear layers use torch's kernels")
         return None
     try:
-        library = ctypes.CDLL(str(build()))
+        return open_library(build())
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the C kernels failed (%s); using torch's kernels", detail)
         return None
-    library.paged_decode_attention_f32.restype = ctypes.c_int
-    library.paged_decode_attention_f32.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                                   ctypes.c_float, ctypes.c_int]
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions' signatures."""
+    library = ctypes.CDLL(str(path))
+    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
+                             ctypes.c_int]
+    library.decode_attention_bf16_vector_width.restype = ctypes.c_int
+    library.decode_attention_bf16_vector_width.argtypes = []
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
     library.linear_f32.restype = None
@@ -111,26 +121,35 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     return out
 
 
+# The decode attention kernel per dtype of query, output and caches (all the same dtype).
+DECODE_ATTENTION_DTYPES = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+
+
 def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           scale: float) -> None:
+                           scale: float, library: ctypes.CDLL | None = None) -> None:
     """Decode rows ``rows`` of ``query`` attend over their sequences' pages; results go to the
-    same rows of ``out``. float32 contiguous tensors; rows / seq_lens int64, tables int32."""
-    library = load()
+    same rows of ``out``. Contiguous tensors: query, out and caches all float32 or all
+    bfloat16 (``DECODE_ATTENTION_DTYPES``); rows / seq_lens int64, tables int32.
+    ``library``: another build of the kernels (tests); default ``load()``."""
+    library = load() if library is None else library
     assert library is not None, "check load() before calling"
-    for tensor, dtype in ((query, torch.float32), (out, torch.float32), (key_cache, torch.float32),
-                          (value_cache, torch.float32), (rows, torch.int64), (seq_lens, torch.int64),
+    if query.dtype not in DECODE_ATTENTION_DTYPES:
+        raise ValueError(f"no C decode attention for {query.dtype}")
+    for tensor, dtype in ((query, query.dtype), (out, query.dtype), (key_cache, query.dtype),
+                          (value_cache, query.dtype), (rows, torch.int64), (seq_lens, torch.int64),
                           (block_tables, torch.int32)):
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}")
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    status = library.paged_decode_attention_f32(
+    name = DECODE_ATTENTION_DTYPES[query.dtype]
+    status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), rows.shape[0], num_heads, num_kv_heads,
         head_dim, block_size, scale, torch.get_num_threads())
     if status != 0:
-        raise MemoryError("paged_decode_attention_f32: scratch allocation failed")
+        raise MemoryError(f"{name}: scratch allocation failed")
 
 
 # ---- fused layer ops (kernels/csrc/layer_ops.c). float32 CPU tensors; the model checks

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.model.cpu_features import CpuFeatures
 from backend.model.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, onednn_packing_available, pack_panels,
                                 replace_linears, resolve_cpu_linear)
 from kernels import cpu_native
@@ -22,10 +23,41 @@ def test_fast_paths_are_available_here() -> None:
     # oneDNN would silently fall back to a slower path.
     assert cpu_native.linear_available()
     assert onednn_packing_available()
-    assert resolve_cpu_linear("auto", float32_on_cpu=True) == "native"
-    assert resolve_cpu_linear("auto", float32_on_cpu=False) == "torch"
     with pytest.raises(ValueError, match="float32"):
-        resolve_cpu_linear("native", float32_on_cpu=False)
+        resolve_cpu_linear("native", torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU"):
+        resolve_cpu_linear("onednn", torch.float32, on_cpu=False)
+
+
+AVX2 = CpuFeatures.of("avx2", "fma")
+AVX512 = CpuFeatures.of("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+AVX512_BF16 = CpuFeatures.of(*AVX512.flags, "avx512_bf16")
+
+
+@pytest.mark.parametrize("features, dtype, expected", [
+    (AVX2, torch.float32, "native"),
+    (AVX512, torch.float32, "onednn"),
+    (AVX512_BF16, torch.float32, "onednn"),
+    (AVX2, torch.bfloat16, "torch"),          # no bf16 arithmetic: nothing to gain from packing
+    (AVX512, torch.bfloat16, "torch"),
+    (AVX512_BF16, torch.bfloat16, "onednn"),
+    (AVX512_BF16, torch.float16, "torch"),
+])
+def test_auto_rule_by_cpu_features_and_dtype(features: CpuFeatures, dtype: torch.dtype, expected: str) -> None:
+    assert resolve_cpu_linear("auto", dtype, features=features) == expected
+    assert resolve_cpu_linear("auto", dtype, on_cpu=False, features=features) == "torch"
+
+
+def test_packed_bfloat16_matches_f_linear() -> None:
+    # oneDNN packs bf16 weights on any AVX-512 CPU (emulated without AVX512_BF16); the rule only
+    # picks it where the CPU has bf16 dot products. Float32 accumulation either way.
+    torch.manual_seed(0)
+    for rows, k, n in [(1, 576, 1536), (16, 576, 192), (7, 1536, 576)]:
+        weight = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        expected = F.linear(x.float(), weight.float())
+        got = PackedLinear(weight, None)(x).float()
+        assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2), (rows, k, n, (got - expected).abs().max())
 
 
 def test_pack_panels_layout() -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from backend.config import CPU_LINEAR_CHOICES
+from backend.model.cpu_features import CpuFeatures, detect
 from kernels import cpu_native
 
 PANEL_WIDTH = 16    # output columns per packed panel: NR in kernels/csrc/linear_f32.c
@@ -31,27 +32,42 @@ def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def resolve_cpu_linear(choice: str, float32_on_cpu: bool) -> str:
-    """``auto``: our kernel where it builds (a C compiler, AVX2 + FMA), else oneDNN where torch
-    has it, else ``F.linear``; ``torch`` (F.linear) for other dtypes and devices. An explicit
-    choice that cannot run here is an error at start-up. Measured only on AVX2 CPUs: on
-    AVX-512 machines oneDNN uses twice the vector width and may win; pick ``onednn`` there
-    after measuring (``python -m benchmarks.step_cost``)."""
+def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
+                       features: CpuFeatures | None = None) -> str:
+    """The linear-layer path for these weights on this CPU. ``auto`` follows the measured rule
+    (docs/benchmarks.md, "CPU linear layers"; ``python -m benchmarks.cpu_linear``):
+
+    | weights  | CPU                      | auto   | why (decode rows 16, the serving regime)              |
+    |----------|--------------------------|--------|-------------------------------------------------------|
+    | float32  | AVX2 + FMA, no AVX-512   | native | 1.4x oneDNN's (AMD EPYC Zen 2)                         |
+    | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
+    | bfloat16 | AVX512_BF16 or AMX-BF16  | onednn | prepacked bf16 dot products: 2.0x float32 ours at 16   |
+    | other    | any                      | torch  | F.linear                                              |
+
+    An explicit choice that cannot run here is an error at start-up. ``features`` defaults to
+    this machine's (tests pass others)."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_CHOICES}, got {choice!r}")
-    if not float32_on_cpu:
+    features = features or detect()
+    if not on_cpu:
         if choice not in ("auto", "torch"):
-            raise ValueError(f"cpu_linear={choice} applies to float32 weights on CPU")
+            raise ValueError(f"cpu_linear={choice} applies to CPU weights")
         return "torch"
-    if choice == "auto":
+    if choice == "native" and (dtype != torch.float32 or not cpu_native.linear_available()):
+        raise ValueError("cpu_linear=native needs float32 weights, gcc and a CPU with AVX2 and FMA")
+    if choice == "onednn" and (dtype not in (torch.float32, torch.bfloat16) or not onednn_packing_available()):
+        raise ValueError("cpu_linear=onednn needs float32 or bfloat16 weights and a torch build with oneDNN")
+    if choice != "auto":
+        return choice
+    if dtype == torch.float32:
+        if features.avx512 and onednn_packing_available():
+            return "onednn"
         if cpu_native.linear_available():
             return "native"
         return "onednn" if onednn_packing_available() else "torch"
-    if choice == "native" and not cpu_native.linear_available():
-        raise ValueError("cpu_linear=native needs gcc and a CPU with AVX2 and FMA")
-    if choice == "onednn" and not onednn_packing_available():
-        raise ValueError("cpu_linear=onednn needs a torch build with oneDNN (mkldnn)")
-    return choice
+    if dtype == torch.bfloat16 and features.native_bf16 and onednn_packing_available():
+        return "onednn"
+    return "torch"
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request
 from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_features import detect
 from backend.model.cpu_linear import resolve_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
@@ -71,10 +72,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
-        self.cpu_linear = resolve_cpu_linear(config.cpu_linear,
-                                             self.device.type == "cpu" and self.dtype == torch.float32)
+        self.cpu_linear = resolve_cpu_linear(config.cpu_linear, self.dtype, self.device.type == "cpu")
         if self.device.type == "cpu":
-            logger.info("CPU linear layers: %s", self.cpu_linear)
+            logger.info("CPU %s, %s weights: linear layers %s", detect().describe(), str(self.dtype)[6:],
+                        self.cpu_linear)
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.cpu_fused_ops)
         if self.device.type == "cpu":

@@ -1,0 +1,147 @@
+"""Where a decode step's time goes, per op family, for one or more dtypes on CPU.
+
+``benchmarks/step_cost.py`` gives the step time; this splits it. Every op family the
+model calls is wrapped in a timer (attention, linear layers incl. the LM head, norms,
+RoPE + K/V write, the step's attention plan, sampling, host-side batch preparation); what
+is left ("other") is the MLP activation, embedding, RoPE tables, the scheduler and Python
+overhead. The wrappers cost ~1 us per call (~300 calls a step), well under 1% of a step.
+
+The engines of the dtypes compared are built side by side and measured in alternating
+rounds, so a machine that is busy with something else (a test suite on the same 2
+cores) slows both alike; each figure is the median over rounds of a round's mean step.
+
+    python -m benchmarks.decode_breakdown --json benchmarks/results/decode_breakdown-cpu-epyc-2core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from backend import Engine, EngineConfig, SamplingParams
+from backend.model import cpu_linear, llama
+from backend.sample.sampler import Sampler
+from benchmarks.step_cost import cpu_name
+from kernels import cpu_native
+
+FAMILIES = ("attention", "linear", "norms", "rope+kv write", "plan", "sampling", "prepare", "other")
+_totals: dict[str, float] = defaultdict(float)
+_depth = [0]    # only the outermost timed call counts (F.linear runs inside nn.Linear.forward, etc.)
+
+
+def _timed(family: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _depth[0]:
+            return fn(*args, **kwargs)
+        _depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _totals[family] += time.perf_counter() - start
+            _depth[0] -= 1
+    return wrapper
+
+
+def instrument() -> None:
+    """Wrap the op families where the model looks them up (module attributes, class methods)."""
+    kernels.paged_attention = _timed("attention", kernels.paged_attention)
+    kernels.plan_attention = _timed("plan", kernels.plan_attention)
+    kernels.reshape_and_cache = _timed("rope+kv write", kernels.reshape_and_cache)
+    llama.apply_rope = _timed("rope+kv write", llama.apply_rope)
+    cpu_native.rope_and_cache = _timed("rope+kv write", cpu_native.rope_and_cache)
+    cpu_native.add_rms_norm = _timed("norms", cpu_native.add_rms_norm)
+    llama.RMSNorm.forward = _timed("norms", llama.RMSNorm.forward)
+    F.linear = _timed("linear", F.linear)      # nn.Linear and the tied LM head when not packed
+    for cls in (cpu_linear.NativeLinear, cpu_linear.PackedLinear, cpu_linear.Int8Linear):
+        cls.forward = _timed("linear", cls.forward)
+    Sampler.__call__ = _timed("sampling", Sampler.__call__)
+
+
+def start_decodes(engine: Engine, contexts: list[int], rng: random.Random) -> None:
+    for i, context in enumerate(contexts):
+        prompt = [rng.randrange(1000, engine.arch.vocab_size) for _ in range(context)]
+        engine.add_request(f"seq-{i}", prompt, SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()
+
+
+def measure_round(engine: Engine, steps: int) -> dict[str, float]:
+    """Mean ms per decode step, total and per family, over ``steps`` steps."""
+    _totals.clear()
+    prepare = engine.runner.prepare
+    engine.runner.prepare = _timed("prepare", prepare)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        engine.step()
+    total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    engine.runner.prepare = prepare
+    row = {family: _totals[family] / steps * 1e3 for family in FAMILIES if family != "other"}
+    row["other"] = total / steps * 1e3 - sum(row.values())
+    row["step"] = total / steps * 1e3
+    # CPU time of all the process's threads: grows far less than wall time when other
+    # processes take the cores, so it tells a slow round from a crowded one.
+    row["cpu"] = cpu / steps * 1e3
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EngineConfig.model)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--min-context", type=int, default=300)
+    parser.add_argument("--max-context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=5, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    span = args.max_context - args.min_context
+    contexts = [args.min_context + span * i // max(args.batch - 1, 1) for i in range(args.batch)]
+    instrument()
+    engines = {}
+    for dtype in dtypes:
+        engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=args.batch, num_kv_blocks=2048,
+                                     enable_prefix_caching=False))
+        start_decodes(engine, contexts, random.Random(0))
+        measure_round(engine, 2)    # warm-up
+        engines[dtype] = engine
+    rounds: dict[str, list[dict[str, float]]] = {dtype: [] for dtype in dtypes}
+    for _ in range(args.rounds):
+        for dtype, engine in engines.items():
+            rounds[dtype].append(measure_round(engine, args.steps))
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; {args.batch} decodes, contexts "
+          f"{args.min_context}..{args.max_context}; median of {args.rounds} rounds of {args.steps} steps "
+          "(ms per step; cpu: process CPU time, all threads)")
+    columns = ["step", "cpu", *FAMILIES]
+    print("| dtype | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
+    result = {}
+    for dtype, samples in rounds.items():
+        medians = {c: round(statistics.median(s[c] for s in samples), 2) for c in columns}
+        result[dtype] = {"median_ms": medians, "step_ms_per_round": [round(s["step"], 2) for s in samples],
+                         "fused_cpu_ops": engines[dtype].runner.model.fused_cpu_ops,
+                         "cpu_linear": engines[dtype].runner.cpu_linear}
+        print(f"| {dtype} | " + " | ".join(f"{medians[c]:.1f}" for c in columns) + " |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": cpu_name(), "threads": torch.get_num_threads(),
+                                         "batch": args.batch, "contexts": contexts, "steps": args.steps,
+                                         "rounds": args.rounds, "dtypes": result,
+                                         "date": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
