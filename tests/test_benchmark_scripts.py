@@ -57,3 +57,14 @@ def test_structured_outputs_benchmark_runs(tmp_path: Path) -> None:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(out.read_text())
+
+
+def test_decode_breakdown_benchmark_runs(tmp_path: Path) -> None:
+    """The per-op-family decode step split (docs/benchmarks.md) runs for both dtypes."""
+    out = tmp_path / "breakdown.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.decode_breakdown", "--batch", "2", "--min-context", "20",
+                           "--max-context", "40", "--steps", "1", "--rounds", "1", "--json", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| float32 |" in done.stdout and "| bfloat16 |" in done.stdout
+    assert json.loads(out.read_text())
