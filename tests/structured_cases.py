@@ -2,7 +2,10 @@
 server tests: each is a constraint, a prompt that suits it, and how to check an output.
 
 Bounded on purpose (maxLength, maxItems, enums, integer ranges, no free numbers), so that a
-small model sampling at temperature 1.0 always completes them well within ``MAX_TOKENS``. The
+small model sampling at temperature 1.0 always completes them within ``MAX_TOKENS``. Bounds
+count characters, not tokens: a sampled string may be CJK text the tokenizer spells in single
+bytes (3 tokens a character; one server run hit 120 tokens on the order schema's three
+12-character products), so ``MAX_TOKENS`` allows 4 tokens per bounded character. The
 JSON cases also set ``disable_any_whitespace``: where a grammar allows any whitespace between
 tokens (the default, as in vLLM), SmolLM2-135M at temperature 1.0 sometimes emits newlines
 until max_tokens.
@@ -17,7 +20,7 @@ from typing import Any
 
 import jsonschema
 
-MAX_TOKENS = 120
+MAX_TOKENS = 256   # person: 32 bounded characters, order: 36, at 4 tokens each, plus the JSON around them
 
 PERSON_SCHEMA: dict[str, Any] = {     # nested objects
     "type": "object",
