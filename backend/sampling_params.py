@@ -25,10 +25,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TEMPERATURE = 100.0                # beyond this every distribution is uniform to float32 anyway
 MAX_REPETITION_PENALTY = 100.0
-MAX_TOP_K = 2**31 - 1
+MAX_TOP_K = 2**31 - 1                  # values >= the vocabulary size mean "disabled"
 MAX_N = 64                             # completions per request (each one is a request in the queue)
 MAX_CACHE_SALT_CHARS = 256
-MAX_ALLOWED_TOKEN_IDS = 65536                  # values >= the vocabulary size mean "disabled"
+MAX_ALLOWED_TOKEN_IDS = 65536
 
 
 def _is_int(value: Any) -> bool:
@@ -105,20 +105,6 @@ class SamplingParams:
             raise InvalidRequestError(names, f"unknown sampling parameter(s) (allowed: "
                                              f"{', '.join(sorted(cls.field_names()))})")
         return cls(**values)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "SamplingParams":
-        """Parse the serving layer's ``sampling_parameters`` JSON text, bounded in size."""
-        if len(text) > MAX_SAMPLING_JSON_BYTES:
-            raise InvalidRequestError("sampling_parameters", f"is {len(text)} bytes; the limit is "
-                                                             f"{MAX_SAMPLING_JSON_BYTES}")
-        try:
-            values = json.loads(text)
-        except RecursionError:
-            raise InvalidRequestError("sampling_parameters", "JSON is nested too deeply") from None
-        except ValueError as exc:   # JSONDecodeError, invalid UTF-8, an integer of > 4300 digits
-            raise InvalidRequestError("sampling_parameters", f"malformed JSON: {exc}") from None
-        return cls.from_dict(values)
 
     @property
     def is_greedy(self) -> bool:

@@ -5,18 +5,15 @@ vLLM backend's response shape (one element per completion)."""
 
 from __future__ import annotations
 
-import json
 import queue
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
-from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams
+from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, SamplingParams
 from backend.engine.loop import EngineLoop
 from backend.engine.parallel_sampling import ParallelOutput, child_params
+from tests.grpc_requests import stream_request, vllm_inputs
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +103,7 @@ def test_children_count_against_the_queue_limit_and_best_of_is_refused(engine: E
 
 # ---- through the real server ----------------------------------------------------------------
 def stream_infer(server, sampling: dict, stream: bool, **flags: bool) -> list:
-    responses: list = []
-
-    def add(name: str, value: np.ndarray, dtype: str) -> None:
-        inputs.append(grpcclient.InferInput(name, list(value.shape), dtype))
-        inputs[-1].set_data_from_numpy(value)
-
-    inputs: list = []
-    add("text_input", np.array([b"Write a haiku about paged attention."], dtype=np.object_), "BYTES")
-    add("stream", np.array([stream]), "BOOL")
-    add("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES")
-    for name, value in flags.items():
-        add(name, np.array([value]), "BOOL")
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.start_stream(lambda result, error: responses.append((result, error)))
-        client.async_stream_infer("llm", inputs=inputs)
-        client.stop_stream()
+    responses = stream_request(server, vllm_inputs("Write a haiku about paged attention.", stream, sampling, **flags))
     assert all(error is None for _, error in responses), responses[-1][1]
     return [result for result, _ in responses]
 

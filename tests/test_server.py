@@ -20,6 +20,7 @@ from client import LLMClient, LLMError, StreamChunk, http_generate_stream
 from client.llm_client import build_inputs
 from loadtest.server_metrics import scrape
 from server.launch import TritonServer, free_ports
+from tests.grpc_requests import tensor
 
 pytestmark = pytest.mark.server
 
@@ -206,12 +207,6 @@ def raw_request(server: TritonServer, inputs: list[grpcclient.InferInput], timeo
         c.stop_stream()
         c.close()
     return results, errors
-
-
-def tensor(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, list(value.shape), dtype)
-    t.set_data_from_numpy(value)
-    return t
 
 
 def text_input(raw: bytes) -> grpcclient.InferInput:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from loadtest.server_metrics import scrape
+from tests.grpc_requests import stream_request, vllm_inputs
 from tests.structured_cases import CASES, MAX_TOKENS, Case
 
 pytestmark = pytest.mark.server
@@ -21,20 +20,8 @@ SAMPLES = 50
 
 def infer(server, prompt: str, sampling: dict) -> tuple:
     """One non-streaming request; (result, error)."""
-    responses: list = []
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"),
-              grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
-              grpcclient.InferInput("exclude_input_in_output", [1], "BOOL"),
-              grpcclient.InferInput("return_finish_reason", [1], "BOOL")]
-    inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
-    inputs[1].set_data_from_numpy(np.array([False]))
-    inputs[2].set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=np.object_))
-    inputs[3].set_data_from_numpy(np.array([True]))
-    inputs[4].set_data_from_numpy(np.array([True]))
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.start_stream(lambda result, error: responses.append((result, error)))
-        client.async_stream_infer("llm", inputs=inputs)
-        client.stop_stream()
+    responses = stream_request(server, vllm_inputs(prompt, False, sampling, exclude_input_in_output=True,
+                                                   return_finish_reason=True))
     assert len(responses) == 1
     return responses[0]
 

@@ -12,9 +12,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from server.vllm_protocol import STREAM_WITH_INPUT_MESSAGE
+from tests.grpc_requests import stream_request, vllm_inputs
 
 pytestmark = pytest.mark.server
 # Greedy SmolLM2 runs the default 16 tokens on this prompt (on "In this example," it stops at 14:
@@ -22,34 +22,6 @@ pytestmark = pytest.mark.server
 PROMPT = "In this example, we will"
 FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
          "return_num_output_tokens")
-
-
-def grpc_inputs(prompt: str, stream: bool, sampling: dict | None, **flags: bool | None) -> list:
-    inputs = []
-
-    def add(name: str, value: np.ndarray, dtype: str) -> None:
-        inputs.append(grpcclient.InferInput(name, list(value.shape), dtype))
-        inputs[-1].set_data_from_numpy(value)
-
-    add("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
-    add("stream", np.array([stream]), "BOOL")
-    if sampling is not None:
-        add("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES")
-    for name, value in flags.items():
-        if value is not None:
-            add(name, np.array([value]), "BOOL")
-    return inputs
-
-
-def infer(server, inputs: list, parameters: dict | None = None) -> list[tuple]:
-    """All (result, error) pairs of one request on a gRPC stream."""
-    responses: list[tuple] = []
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.start_stream(lambda result, error: responses.append((result, error)))
-        client.async_stream_infer("llm", inputs=inputs, parameters=parameters)
-        client.stop_stream()
-    assert responses
-    return responses
 
 
 def text(result) -> str:
@@ -62,8 +34,8 @@ SAMPLE_CLIENT_SAMPLING = {"temperature": "0.1", "top_p": "0.95", "max_tokens": "
 
 @pytest.mark.parametrize("stream, exclude", [(False, False), (False, True), (True, True)])
 def test_the_sample_clients_requests_succeed(server, stream: bool, exclude: bool) -> None:
-    inputs = grpc_inputs("The capital of France is", stream, SAMPLE_CLIENT_SAMPLING, exclude_input_in_output=exclude)
-    responses = infer(server, inputs, parameters=SAMPLE_CLIENT_SAMPLING)
+    inputs = vllm_inputs("The capital of France is", stream, SAMPLE_CLIENT_SAMPLING, exclude_input_in_output=exclude)
+    responses = stream_request(server, inputs, parameters=SAMPLE_CLIENT_SAMPLING)
     assert all(error is None for _, error in responses), responses[0][1]
     output = "".join(text(result) for result, _ in responses)
     assert output.startswith("The capital of France is") != exclude
@@ -71,7 +43,7 @@ def test_the_sample_clients_requests_succeed(server, stream: bool, exclude: bool
 
 
 def test_streaming_with_the_prompt_is_refused_with_the_backends_message(server) -> None:
-    responses = infer(server, grpc_inputs(PROMPT, True, {"max_tokens": 4}, exclude_input_in_output=False))
+    responses = stream_request(server, vllm_inputs(PROMPT, True, {"max_tokens": 4}, exclude_input_in_output=False))
     assert len(responses) == 1 and responses[0][1] is not None
     assert responses[0][1].message() == STREAM_WITH_INPUT_MESSAGE
 
@@ -138,7 +110,7 @@ def test_additional_outputs_as_the_backends_ci_checks_them(server, stream: bool,
                                                            flag_value: bool | None) -> None:
     sampling = {"temperature": "0", "top_p": "1", **({} if logprobs is None else {"logprobs": logprobs})}
     flags = dict.fromkeys(FLAGS, flag_value)
-    responses = infer(server, grpc_inputs(PROMPT, stream, sampling, **flags), parameters=sampling)
+    responses = stream_request(server, vllm_inputs(PROMPT, stream, sampling, **flags), parameters=sampling)
     if stream:
         assert len(responses) > 1
     check_additional_outputs(responses, stream, sampling, flags)
@@ -149,7 +121,7 @@ def test_each_flag_alone_and_false_flags(server) -> None:
     for flag in FLAGS:
         for value in (True, False):
             flags = {flag: value}
-            check_additional_outputs(infer(server, grpc_inputs(PROMPT, True, sampling, **flags)), True, sampling, flags)
+            check_additional_outputs(stream_request(server, vllm_inputs(PROMPT, True, sampling, **flags)), True, sampling, flags)
 
 
 # ---- sampling parameters as Triton request parameters -------------------------------------------
@@ -174,12 +146,12 @@ def test_readme_curl_with_temperature_0_in_parameters_is_deterministic(server) -
 
 def test_grpc_request_parameters_and_the_tensor_wins(server) -> None:
     flags = {"return_num_output_tokens": True}
-    only_parameters = infer(server, grpc_inputs(PROMPT, False, None, **flags), {"max_tokens": 5, "ignore_eos": True})
+    only_parameters = stream_request(server, vllm_inputs(PROMPT, False, None, **flags), {"max_tokens": 5, "ignore_eos": True})
     assert only_parameters[0][0].as_numpy("num_output_tokens")[0] == 5
-    both = infer(server, grpc_inputs(PROMPT, False, {"max_tokens": 7, "ignore_eos": True}, **flags), {"max_tokens": 5})
+    both = stream_request(server, vllm_inputs(PROMPT, False, {"max_tokens": 7, "ignore_eos": True}, **flags), {"max_tokens": 5})
     assert both[0][0].as_numpy("num_output_tokens")[0] == 7
 
 
 def test_an_unknown_request_parameter_is_named(server) -> None:
-    responses = infer(server, grpc_inputs(PROMPT, False, None), {"max_tokenz": 5})
+    responses = stream_request(server, vllm_inputs(PROMPT, False, None), {"max_tokenz": 5})
     assert responses[0][1] is not None and "max_tokenz" in responses[0][1].message()

@@ -73,7 +73,6 @@ class Request:
     # Block-hash extra keys (backend/core/kv_cache_utils.py): what besides the tokens decides
     # whether a cached block may be reused by this request.
     lora_id: int | None = None
-    cache_salt: str | None = None
     # What the next token may be (allowed_token_ids, a grammar); None: anything.
     constraint: "TokenConstraint | None" = None
     # The constraint while it is built; the scheduler installs it before admission.
@@ -81,10 +80,12 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.cache_salt is None:
-            self.cache_salt = self.sampling_params.cache_salt
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

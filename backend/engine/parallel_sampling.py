@@ -16,7 +16,6 @@ serving layer then aborts the others).
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,13 +53,12 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class ParentRequest:
     """Collects the outputs of ``n`` children and hands the parent's callback a
     ``ParallelOutput`` for each, or the first error. Child callbacks run on the engine loop's
-    thread; the lock only guards against a caller reading ``finished`` from another."""
+    thread only, so its state needs no lock."""
 
     def __init__(self, request_id: str, n: int, num_prompt_tokens: int,
                  callback: Callable[[ParallelOutput | BaseException], None]) -> None:
         self.request_id = request_id
         self.callback = callback
-        self._lock = threading.Lock()
         self._done = False
         self._latest = [RequestOutput(request_id=child_id(request_id, i), new_token_ids=[], new_text="",
                                       finish_reason=None, num_prompt_tokens=num_prompt_tokens, num_cached_tokens=0,
@@ -78,23 +76,17 @@ class ParentRequest:
         return lambda item: self._on_child(index, item)
 
     def _on_child(self, index: int, item: RequestOutput | BaseException) -> None:
-        with self._lock:
-            if self._done:
-                return
-            if isinstance(item, BaseException):
-                self._done = True
-                result: ParallelOutput | BaseException = item
-            else:
-                self._latest[index] = item
-                outputs = [item if i == index else _without_deltas(o) for i, o in enumerate(self._latest)]
-                result = ParallelOutput(self.request_id, outputs)
-                self._done = result.finished
+        if self._done:
+            return
+        if isinstance(item, BaseException):
+            self._done = True
+            result: ParallelOutput | BaseException = item
+        else:
+            self._latest[index] = item
+            outputs = [item if i == index else _without_deltas(o) for i, o in enumerate(self._latest)]
+            result = ParallelOutput(self.request_id, outputs)
+            self._done = result.finished
         self.callback(result)
-
-    @property
-    def finished(self) -> bool:
-        with self._lock:
-            return self._done
 
 
 def _without_deltas(output: RequestOutput) -> RequestOutput:

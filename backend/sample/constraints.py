@@ -30,13 +30,6 @@ def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.zeros((num_rows, bitmask_width(vocab_size)), dtype=torch.int32)
 
 
-def bitmask_from_ids(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    """One row with exactly ``token_ids`` allowed."""
-    bits = torch.zeros(bitmask_width(vocab_size) * BITS_PER_WORD, dtype=torch.int64)
-    bits[torch.tensor(sorted(set(token_ids)), dtype=torch.int64)] = 1
-    words = (bits.view(-1, BITS_PER_WORD) << torch.arange(BITS_PER_WORD)).sum(dim=1)
-    # Bit 31 makes a word >= 2**31: wrap to int32 as the packed layout stores it.
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).unsqueeze(0)
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -58,6 +51,15 @@ def _bit_values(device: torch.device) -> torch.Tensor:
         values = torch.tensor([1 << i for i in range(BITS_PER_WORD)], dtype=torch.int64)
         _BIT_VALUES[device] = torch.where(values >= 2**31, values - 2**32, values).to(torch.int32).to(device)
     return _BIT_VALUES[device]
+
+
+def bitmask_from_ids(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """One row with exactly ``token_ids`` allowed."""
+    bits = torch.zeros(bitmask_width(vocab_size) * BITS_PER_WORD, dtype=torch.int32)
+    bits[torch.tensor(sorted(set(token_ids)), dtype=torch.int64)] = 1
+    # A word is the sum of its set bits' values: distinct powers of two (bit 31's negative in
+    # int32), so the int32 sum never overflows.
+    return (bits.view(-1, BITS_PER_WORD) * _bit_values(bits.device)).sum(dim=1, dtype=torch.int32).unsqueeze(0)
 
 
 def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
