@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from backend.config import EngineConfig
 from backend.engine.engine import Engine, EngineStats, load_tokenizer
 from backend.engine.parallel_sampling import ParallelOutput, ParentRequest, child_params
 from backend.engine.validation import Prompt, ValidatedPrompt
@@ -47,6 +48,35 @@ TRIM_INTERVAL_S = 30.0
 # grammar to compile), the loop waits this long, or until a submission or abort, before it
 # looks again: a compile takes milliseconds to seconds, and spinning would take a core from it.
 NOTHING_TO_RUN_WAIT_S = 0.002
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """``Engine(config)``, built on a short-lived thread of its own, for an engine that a loop
+    thread will run.
+
+    Why: torch's CPU kernels run on libgomp, which keeps one pool of worker threads per thread
+    that ever started a parallel region. Loading a model does, so built on the caller's
+    thread (Triton's stub main thread) the engine leaves an idle pool there; the loop thread
+    then starts a second one, libgomp counts more of its threads than cores and throttles
+    every worker's spin-wait to almost nothing, and the workers fall asleep between the ~250
+    parallel regions of a step. On the 2-core AVX-512 EPYC that made a served bfloat16 decode
+    step 30.5 ms instead of 22.3 (docs/benchmarks.md). A pool dies with its thread, so
+    building here leaves the loop thread's the only one."""
+    built: list[Engine] = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(Engine(config))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=build, name="engine-build")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return built[0]
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:

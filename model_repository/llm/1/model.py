@@ -37,9 +37,9 @@ import triton_python_backend_utils as pb_utils
 PROJECT_ROOT = Path(os.environ.get("LLM_PROJECT_ROOT", Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from backend import (Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
+from backend import (EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
                      ShuttingDownError)
-from backend.engine.loop import EngineLoop
+from backend.engine.loop import EngineLoop, build_engine
 from backend.engine.parallel_sampling import ParallelOutput
 from server import vllm_protocol
 from server.metrics import EngineMetrics
@@ -100,7 +100,7 @@ class TritonPythonModel:
         config = EngineConfig.from_dict(params)
         if not Path(config.model).is_absolute():
             config.model = str(PROJECT_ROOT / config.model)
-        self.engine = Engine(config)
+        self.engine = build_engine(config)   # off this thread: see its docstring
         self.loop = EngineLoop(self.engine).start()
         print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
