@@ -19,7 +19,7 @@ CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL                 # Hugging Face folder (config.json + safetensors)
-    dtype: str = "auto"                        # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"                        # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"                       # auto = cuda when available, else cpu
     block_size: int = 16                       # tokens per KV block
     num_kv_blocks: int | None = None           # None: sized from kv_cache_memory_bytes / GPU memory

@@ -69,6 +69,21 @@ def hf_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def auto_dtype_is_float32():
+    """The oracle is transformers in float32, so in-process engines with ``dtype=auto`` run
+    float32 on every machine: the dtype rule sees this CPU without its native-bfloat16 flags
+    (on one that has them it would pick bfloat16). Tests of the rule itself hand
+    ``auto_dtype`` the feature sets they mean; server tests pass ``dtype=float32``."""
+    from backend.model.cpu_features import CpuFeatures, detect
+    from backend.worker import model_runner
+
+    without_bf16 = CpuFeatures(detect().flags - {"avx512_bf16", "amx_bf16"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "detect", lambda: without_bf16)
+        yield
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, model_dir: Path):
     """The real tritonserver with the llm model, shared by the server tests of a session.
@@ -77,7 +92,8 @@ def server(tmp_path_factory, model_dir: Path):
     from server.launch import TritonServer, free_ports
 
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram"}, log_file=log)
+    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram", "dtype": "float32"},
+                       log_file=log)
     srv.start(timeout=300)
     yield srv
     srv.stop()

@@ -4,8 +4,11 @@ depend on it are covered on every machine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from backend.config import EngineConfig
 from backend.model.cpu_features import CpuFeatures, CpuIsa, detect
+from backend.worker.model_runner import auto_dtype, resolve_dtype
 
 AVX2 = ("avx", "avx2", "fma", "f16c")
 AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
@@ -35,3 +38,26 @@ def test_this_machine_is_detected() -> None:
     features = detect()
     print(f"this CPU: {features.describe()}")     # named in the test output, whatever it is
     assert isinstance(features.isa, CpuIsa)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (AVX2, torch.float32),                                          # bfloat16 would be emulated
+    (AVX512, torch.float32),
+    (AVX512 + ("avx512_bf16",), torch.bfloat16),                    # bf16 dot products in hardware
+    (AVX512 + ("avx512_bf16", "amx_bf16", "amx_tile"), torch.bfloat16),
+])
+def test_auto_dtype_on_cpu_by_features(flags: tuple[str, ...], expected: torch.dtype) -> None:
+    dtype, why = auto_dtype(torch.device("cpu"), CpuFeatures.of(*flags))
+    assert dtype == expected
+    assert CpuFeatures.of(*flags).describe() in why   # the start-up log names the ISA it decided on
+
+
+def test_auto_dtype_on_cuda_is_bfloat16() -> None:
+    assert auto_dtype(torch.device("cuda"), CpuFeatures.of(*AVX2))[0] == torch.bfloat16
+
+
+def test_explicit_dtype_wins_and_is_logged() -> None:
+    dtype, line = resolve_dtype(EngineConfig(dtype="bfloat16"), torch.device("cpu"))
+    assert dtype == torch.bfloat16 and "dtype=bfloat16" in line
+    dtype, line = resolve_dtype(EngineConfig(dtype="float32"), torch.device("cpu"))
+    assert dtype == torch.float32 and "dtype=float32" in line

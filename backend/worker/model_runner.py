@@ -23,7 +23,7 @@ from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request
 from backend.model.architecture import ModelArchitecture
-from backend.model.cpu_features import detect
+from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear import resolve_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
@@ -51,10 +51,29 @@ def configure_cpu_threads(config: EngineConfig) -> int:
     return threads
 
 
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tuple[torch.dtype, str]:
+    """``dtype=auto``: the weights' and KV cache's dtype on this device, and why.
+
+    On CPU the rule is measured (docs/benchmarks.md, "dtype=auto on CPU"): bfloat16 where the
+    CPU computes it natively (AVX512_BF16 or AMX-BF16), where it served 1.3-1.5x float32's
+    output tokens/s on the 2-core AVX-512 BF16 EPYC; float32 elsewhere, where bfloat16 is
+    emulated (vLLM's bfloat16 ran 4.3x slower than its float32 on the AVX2 EPYC). Greedy
+    tokens in bfloat16 differ from transformers' float32 after a while (the precision table);
+    ``dtype=float32`` keeps the token-for-token oracle. ``features``: tests fake machines."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    features = features or detect()
+    if features.native_bf16:
+        return torch.bfloat16, f"the CPU computes bfloat16 natively ({features.describe()})"
+    return torch.float32, f"no native bfloat16 on this CPU ({features.describe()}): it would be emulated"
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to run in, and a line for the start-up log saying why."""
     if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[config.dtype]
+        dtype, why = auto_dtype(device)
+        return dtype, f"{str(dtype)[6:]} (dtype=auto: {why})"
+    return _DTYPES[config.dtype], f"{config.dtype} (dtype={config.dtype})"
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchitecture) -> int:
@@ -66,7 +85,8 @@ class ModelRunner:
         self.config = config
         self.arch = arch
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, self.device)
+        self.dtype, self.dtype_choice = resolve_dtype(config, self.device)
+        logger.info("weights and KV cache in %s", self.dtype_choice)
         if self.device.type == "cpu":
             logger.info("CPU engine: %d threads", configure_cpu_threads(config))
         self.block_size = config.block_size

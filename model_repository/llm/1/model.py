@@ -102,6 +102,7 @@ class TritonPythonModel:
             config.model = str(PROJECT_ROOT / config.model)
         self.engine = build_engine(config)   # off this thread: see its docstring
         self.loop = EngineLoop(self.engine).start()
+        print(f"llm: weights and KV cache in {self.engine.runner.dtype_choice}", file=sys.stderr, flush=True)
         print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
         self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
