@@ -43,7 +43,7 @@ class EngineConfig:
                                                # (float32), prepacked oneDNN (float32, bfloat16) or plain
                                                # F.linear; auto: by CPU features and dtype, the measured
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear
-    cpu_fused_ops: bool = True                 # CPU float32: residual add + RMSNorm and RoPE + KV write
+    cpu_fused_ops: bool = True                 # CPU float32/bfloat16: residual add + RMSNorm and RoPE + KV write
                                                # fused in C (kernels/csrc/layer_ops.c); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     # Speculative decoding (backend/sample/speculative.py): drafts verified in the same packed step.

@@ -1,6 +1,6 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
 or bfloat16 (kernels/csrc/paged_decode_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
-and the fused small ops of a layer (kernels/csrc/layer_ops.c).
+and the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
 compiled for the machine it runs on (``-march=native``) the first time a process needs it
@@ -96,10 +96,12 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.linear_f32_supported.argtypes = []
     library.linear_f32.restype = None
     library.linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
-    library.add_rms_norm_f32.restype = None
-    library.add_rms_norm_f32.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float]
-    library.rope_and_cache_f32.restype = None
-    library.rope_and_cache_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
+    for suffix in LAYER_OPS_SUFFIXES.values():
+        getattr(library, "add_rms_norm" + suffix).restype = None
+        getattr(library, "add_rms_norm" + suffix).argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float]
+        getattr(library, "rope_and_cache" + suffix).restype = None
+        getattr(library, "rope_and_cache" + suffix).argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64,
+                                                                _I64]
     return library
 
 
@@ -152,16 +154,19 @@ def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.T
         raise MemoryError(f"{name}: scratch allocation failed")
 
 
-# ---- fused layer ops (kernels/csrc/layer_ops.c). float32 CPU tensors; the model checks
-# dtypes and layouts once at load time, so these do not (they run ~120 times a step).
+# ---- fused layer ops (kernels/csrc/layer_ops.c). float32 or bfloat16 CPU tensors, all of one
+# dtype; the model checks dtypes and layouts once at load time, so these do not (they run
+# ~120 times a step).
+LAYER_OPS_SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                  eps: float) -> None:
     """``residual += delta`` (when given), then ``out = RMSNorm(residual) * weight``, in one
     pass. All [rows, hidden] contiguous."""
     rows, hidden = residual.shape
-    load().add_rms_norm_f32(residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                            out.data_ptr(), rows, hidden, eps)
+    function = getattr(load(), "add_rms_norm" + LAYER_OPS_SUFFIXES[residual.dtype])
+    function(residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+             rows, hidden, eps)
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -170,6 +175,6 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
     """Rotate the q and k heads of ``qkv`` [tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     in place and write k and v to cache slots ``slots`` (int64; < 0: not written). cos/sin:
     [tokens, head_dim] contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
-    load().rope_and_cache_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                              key_cache.data_ptr(), value_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
-                              head_dim)
+    function = getattr(load(), "rope_and_cache" + LAYER_OPS_SUFFIXES[qkv.dtype])
+    function(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(),
+             value_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim)

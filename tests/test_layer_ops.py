@@ -76,7 +76,8 @@ def test_rope_and_cache_matches_rope_then_cache_write(num_heads: int, num_kv_hea
         assert storage[:, width:].isnan().all()
 
 
-def test_model_logits_with_and_without_fused_ops() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_logits_with_and_without_fused_ops(dtype: torch.dtype) -> None:
     """A tiny random Llama, one packed step of a prefill chunk and decode rows: the fused
     decoder loop gives the logits of the torch loop."""
     from backend.model.llama import AttentionMetadata
@@ -90,6 +91,7 @@ def test_model_logits_with_and_without_fused_ops() -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(torch.randn(param.shape) * (0.2 if not name.endswith("norm.weight") else 1.0))
+    model = model.to(dtype)
     model.inv_freq = model.inv_freq.float()
     block_size, num_blocks = 4, 16
     # Sequence 0: a 6-token chunk at positions 3..8 over 3 cached tokens; sequences 1, 2: decodes.
@@ -108,8 +110,70 @@ def test_model_logits_with_and_without_fused_ops() -> None:
     for fused in (False, True):
         assert model.use_fused_cpu_ops(fused) == fused
         gen = torch.Generator().manual_seed(1)
-        caches = [(torch.randn(num_blocks, block_size, 2, 16, generator=gen),
-                   torch.randn(num_blocks, block_size, 2, 16, generator=gen)) for _ in range(3)]
+        caches = [(torch.randn(num_blocks, block_size, 2, 16, generator=gen).to(dtype),
+                   torch.randn(num_blocks, block_size, 2, 16, generator=gen).to(dtype)) for _ in range(3)]
         with torch.inference_mode():
             logits[fused] = model(input_ids, meta, caches)
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    else:
+        # The same roundings as the torch ops but for the order of one float32 sum per norm,
+        # which can move a rounded bfloat16 by one unit and that difference travels on.
+        difference = (logits[True] - logits[False]).abs()
+        assert difference.max() <= 0.05 * logits[False].abs().max(), difference.max()
+        assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+BF16_ULP = 2.0 ** -7   # relative spacing of bfloat16 values
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("hidden", [7, 576])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_bf16_rounds_like_the_torch_ops(rows: int, hidden: int, with_delta: bool) -> None:
+    """bfloat16: the residual add is torch's bit for bit; the normalised output within one
+    bfloat16 unit (only the float32 sum of squares is summed in another order)."""
+    gen = torch.Generator().manual_seed(rows * hidden + 1)
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
+    delta = torch.randn(rows, hidden, generator=gen).bfloat16() if with_delta else None
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    expected_residual = residual + delta if with_delta else residual.clone()
+    with torch.no_grad():
+        expected = norm(expected_residual)
+    out = torch.full_like(residual, float("nan"))
+    cpu_native.add_rms_norm(residual, delta, norm.weight.detach(), out, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    assert not out.isnan().any()
+    difference = (out.float() - expected.float()).abs()
+    assert (difference <= BF16_ULP * expected.float().abs() + 1e-30).all(), difference.max()
+    assert (out == expected).float().mean() > 0.97      # nearly all bits equal
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128)])
+def test_rope_and_cache_bf16_gives_the_torch_bits(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads + head_dim)
+    tokens, num_blocks, block_size = 9, 5, 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen).bfloat16()
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat((positions.float().unsqueeze(1) * inv_freq,) * 2, dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[4] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    value_cache = key_cache.clone()
+    ref_key, ref_value = key_cache.clone(), value_cache.clone()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    ref_qk = apply_rope(qkv[:, :q_size + kv_size].reshape(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
+    ref_v = qkv[:, q_size + kv_size:].reshape(tokens, num_kv_heads, head_dim).clone()
+    reshape_and_cache_reference(ref_qk[:, num_heads:], ref_v, ref_key, ref_value, slots)
+
+    cpu_native.rope_and_cache(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
+    assert torch.equal(qkv[:, :q_size + kv_size].reshape(tokens, num_heads + num_kv_heads, head_dim), ref_qk)
+    assert torch.equal(key_cache.isnan(), ref_key.isnan()) and torch.equal(value_cache.isnan(), ref_value.isnan())
+    written = ~ref_key.isnan()
+    assert torch.equal(key_cache[written], ref_key[written]) and torch.equal(value_cache[written], ref_value[written])

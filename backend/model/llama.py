@@ -215,9 +215,10 @@ class CausalLM(nn.Module):
 
     def use_fused_cpu_ops(self, enabled: bool) -> bool:
         """Fuse RMSNorm with the residual add and RoPE with the K/V cache write (C, layer_ops.c)
-        where they apply: float32 on CPU, the ``cpu`` attention backend, no q/k norm, the C
-        library built. Returns whether they are on; off, the torch ops above run (the reference)."""
-        applies = (enabled and self.model.embed_tokens.weight.dtype == torch.float32
+        where they apply: float32 or bfloat16 on CPU, the ``cpu`` attention backend, no q/k norm,
+        the C library built. Returns whether they are on; off, the torch ops above run (the
+        reference)."""
+        applies = (enabled and self.model.embed_tokens.weight.dtype in cpu_native.LAYER_OPS_SUFFIXES
                    and self.model.embed_tokens.weight.device.type == "cpu" and self.attention_backend == "cpu"
                    and not self.arch.qk_norm and cpu_native.load() is not None)
         self.fused_cpu_ops = applies

@@ -1,4 +1,4 @@
-/* The small per-layer ops of a decoder step, fused, float32, for CPU.
+/* The small per-layer ops of a decoder step, fused, float32 or bfloat16, for CPU.
  *
  * Why: at serving batch sizes each of these touches a few tens of KB, so as torch ops they
  * cost their dispatch and thread fork/join (~50 us for an rms_norm of 16 x 576), not their
@@ -6,10 +6,37 @@
  * one single-threaded pass what took 2-6 torch ops. The references they are tested against
  * are torch code: RMSNorm and apply_rope in backend/model.py, reshape_and_cache_reference in
  * kernels/reference.py (tests/test_layer_ops.py).
+ *
+ * The bfloat16 versions round where the torch ops they replace round (each bfloat16 op of
+ * torch computes in float32 and rounds its result to nearest even): the residual add, the
+ * normalised value before the weight, the product with the weight, and in RoPE each of the
+ * two products and their sum. So they give torch's bits, but for the float32 sum of squares,
+ * whose order differs.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;   /* raw bits of a bfloat16 */
+
+static inline float bf16_to_f32(bf16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN to the canonical quiet NaN (c10::BFloat16's conversion). */
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7FC0;
+    return (bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* float32 -> bfloat16 -> float32: what a bfloat16 torch op's result holds. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* residual += delta (when delta != NULL), then out = residual * rsqrt(mean(residual^2) + eps)
  * * weight, row by row. residual, delta and out: [rows, hidden] contiguous. */
@@ -62,5 +89,55 @@ __attribute__((optimize("fp-contract=off"))) void rope_and_cache_f32(float *rest
             kc[i] = k[i];
             vc[i] = v[i];
         }
+    }
+}
+
+/* add_rms_norm_f32 for bfloat16 tensors (weight bfloat16 too): the residual add rounds to
+ * bfloat16; the norm is computed in float32 from the rounded residual, as transformers'
+ * LlamaRMSNorm does, rounded, then multiplied by the weight and rounded again. */
+void add_rms_norm_bf16(bf16_t *restrict residual, const bf16_t *restrict delta, const bf16_t *restrict weight,
+                       bf16_t *restrict out, int64_t rows, int64_t hidden, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        bf16_t *h = residual + r * hidden;
+        if (delta != NULL) {
+            const bf16_t *d = delta + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; ++i) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; ++i) sum += bf16_to_f32(h[i]) * bf16_to_f32(h[i]);
+        const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
+        bf16_t *o = out + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i)
+            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(h[i]) * scale));
+    }
+}
+
+/* rope_and_cache_f32 for bfloat16 qkv, cos/sin and caches. */
+void rope_and_cache_bf16(bf16_t *restrict qkv, int64_t qkv_stride, const bf16_t *restrict cos,
+                         const bf16_t *restrict sin, const int64_t *restrict slots, bf16_t *restrict key_cache,
+                         bf16_t *restrict value_cache, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < tokens; ++t) {
+        bf16_t *row = qkv + t * qkv_stride;
+        const bf16_t *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+            bf16_t *x = row + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+                x[i] = f32_to_bf16(round_bf16(x1 * bf16_to_f32(c[i])) - round_bf16(x2 * bf16_to_f32(s[i])));
+                x[i + half] = f32_to_bf16(round_bf16(x2 * bf16_to_f32(c[i + half])) +
+                                          round_bf16(x1 * bf16_to_f32(s[i + half])));
+            }
+        }
+        if (slots[t] < 0) continue;
+        const int64_t kv_size = num_kv_heads * head_dim;
+        const bf16_t *k = row + num_heads * head_dim, *v = k + kv_size;
+        memcpy(key_cache + slots[t] * kv_size, k, sizeof(bf16_t) * kv_size);
+        memcpy(value_cache + slots[t] * kv_size, v, sizeof(bf16_t) * kv_size);
     }
 }
