@@ -1,8 +1,9 @@
 """Greedy agreement of lower-precision engine settings with transformers in float32.
 
 The engine's HF-equality prompts (tests/test_hf_equality.py: 12 prompts of 1-430 tokens,
-24 greedy tokens each) run through transformers float32 and through the engine in each
-setting; per prompt, the share of generated tokens identical before the first divergence.
+24 greedy tokens each) run through transformers (float32 and bfloat16) and through the
+engine in each setting; per prompt, the share of generated tokens identical before the
+first divergence.
 float32 must score 1.0 (the tests demand exact equality); the others are written down in
 docs/benchmarks.md.
 
@@ -20,7 +21,8 @@ from backend import Engine, EngineConfig, SamplingParams
 from tests.conftest import MODEL_DIR, _PROSE, hf_greedy
 from tests.test_hf_equality import MAX_NEW_TOKENS, PROMPT_LENGTHS
 
-SETTINGS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+            "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
 def prefix_share(ours: list[int], reference: list[int]) -> float:
@@ -39,14 +41,17 @@ def main(argv: list[str] | None = None) -> None:
     while len(prose) < 2000:
         prose += tokenizer(_PROSE * 4).input_ids
     prompts = [prose[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate(PROMPT_LENGTHS)]
-    hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-    reference = hf_greedy(hf, prompts, MAX_NEW_TOKENS)
-    print("| setting | mean share identical before first divergence | prompts fully identical |\n|---|---|---|")
+    references = {dtype: hf_greedy(AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=dtype).eval(), prompts,
+                                   MAX_NEW_TOKENS) for dtype in (torch.float32, torch.bfloat16)}
+    print("| setting | vs transformers | mean share identical before first divergence | prompts fully identical |\n"
+          "|---|---|---|---|")
     for name in args.settings.split(","):
         engine = Engine(EngineConfig(model=str(MODEL_DIR), num_kv_blocks=512, **SETTINGS[name]))
         outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
-        shares = [prefix_share(o.token_ids, r) for o, r in zip(outputs, reference)]
-        print(f"| {name} | {statistics.mean(shares):.3f} | {sum(s == 1.0 for s in shares)}/{len(shares)} |")
+        for dtype, reference in references.items():
+            shares = [prefix_share(o.token_ids, r) for o, r in zip(outputs, reference)]
+            print(f"| {name} | {str(dtype)[6:]} | {statistics.mean(shares):.3f} | "
+                  f"{sum(s == 1.0 for s in shares)}/{len(shares)} |")
 
 
 if __name__ == "__main__":

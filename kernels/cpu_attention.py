@@ -16,9 +16,10 @@ layer reuses them:
   ~330 ms of a step against the C kernel's ~17 ms (benchmarks/decode_breakdown.py). Padding
   positions gather a slot the sequence owns, so nothing outside a sequence's own blocks is
   ever read (unused slots may hold garbage).
-- Sequences with several new tokens (prefill chunks, fresh prompts) are few per step
-  (bounded by the token budget) and each runs one SDPA call over its gathered context with
-  the causal mask aligned to the end of the cached context.
+- Sequences with several new tokens (prefill chunks, fresh prompts) go to the C prefill
+  kernel (float32 or bfloat16 pages, flash-attention style, causal blocks skipped; all of a
+  step's prefills in one call). Without it, each runs one SDPA call over its gathered
+  float32 context with the causal mask aligned to the end of the cached context.
 
 Scores and softmax are float32 whatever the cache dtype, as in the reference.
 """
@@ -53,6 +54,10 @@ class CpuAttentionPlan:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64 (C kernel)
     decode_tables: torch.Tensor | None    # [num_decodes, max_blocks] int32, contiguous (C kernel)
     prefills: list[PrefillSpan]
+    prefill_starts: torch.Tensor | None  # [num_prefills] int64: first query row of each (C kernel)
+    prefill_query_lens: torch.Tensor | None   # [num_prefills] int64
+    prefill_seq_lens: torch.Tensor | None     # [num_prefills] int64
+    prefill_tables: torch.Tensor | None       # [num_prefills, max_blocks] int32, contiguous
     write_rows: torch.Tensor | None      # rows whose K/V are written (None: all rows)
     write_slots: torch.Tensor            # their slots
 
@@ -90,7 +95,13 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
     decodes_are_all_rows = num_decodes == num_tokens == query_lens.numel()
 
     prefills: list[PrefillSpan] = []
-    for seq in (query_lens > 1).nonzero().squeeze(1).tolist():
+    prefill_seqs = (query_lens > 1).nonzero().squeeze(1)
+    prefill_starts = prefill_query_lens = prefill_seq_lens = prefill_tables = None
+    if prefill_seqs.numel():
+        prefill_starts, prefill_query_lens = starts[prefill_seqs], query_lens[prefill_seqs]
+        prefill_seq_lens = lens[prefill_seqs]
+        prefill_tables = block_tables.index_select(0, prefill_seqs).to("cpu", torch.int32).contiguous()
+    for seq in prefill_seqs.tolist():
         q_start, q_end, seq_len = int(starts[seq]), int(starts[seq + 1]), int(lens[seq])
         positions = torch.arange(seq_len)
         slots = tables[seq, positions // block_size] * block_size + positions % block_size
@@ -99,7 +110,8 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         mask = positions.unsqueeze(0) <= (torch.arange(q_end - q_start) + context_len).unsqueeze(1)
         prefills.append(PrefillSpan(q_start, q_end, slots, mask))
     return CpuAttentionPlan(decode_rows, decode_slots, decode_mask, decode_max_len,
-                            decodes_are_all_rows, decode_lens, decode_tables, prefills, write_rows, write_slots)
+                            decodes_are_all_rows, decode_lens, decode_tables, prefills, prefill_starts,
+                            prefill_query_lens, prefill_seq_lens, prefill_tables, write_rows, write_slots)
 
 
 def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -125,15 +137,20 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     """Same contract as ``paged_attention_reference``, driven by a precomputed plan.
     ``native``: decode rows through the C kernel (None: when it applies and is available)."""
     out = torch.empty_like(query)
+    if native is None:
+        native = (key_cache.dtype == query.dtype and query.dtype in cpu_native.DECODE_ATTENTION_DTYPES
+                  and cpu_native.load() is not None)
     if plan.decode_rows is not None:
-        if native is None:
-            native = (key_cache.dtype == query.dtype and query.dtype in cpu_native.DECODE_ATTENTION_DTYPES
-                      and cpu_native.load() is not None)
         if native:
-            cpu_native.paged_decode_attention(query.contiguous(), out, plan.decode_rows, plan.decode_seq_lens,
+            query = query.contiguous()
+            cpu_native.paged_decode_attention(query, out, plan.decode_rows, plan.decode_seq_lens,
                                               plan.decode_tables, key_cache, value_cache, scale)
         else:
             _decode_attention_torch(query, key_cache, value_cache, scale, plan, out)
+    if plan.prefills and native:
+        cpu_native.paged_prefill_attention(query.contiguous(), out, plan.prefill_starts, plan.prefill_query_lens,
+                                           plan.prefill_seq_lens, plan.prefill_tables, key_cache, value_cache, scale)
+        return out
     # float32 whatever the cache dtype: torch's CPU flash attention would take bfloat16 as it
     # is (no widened copies, 13% faster for a 512-token prompt), but it rounds the softmax
     # probabilities to bfloat16 before the weighted sum (2% of outputs off by 1-2 units).

@@ -1,5 +1,5 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
-or bfloat16 (kernels/csrc/paged_decode_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
+or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
 and the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
@@ -29,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.c", "linear_f32.c",
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
                                                                        "layer_ops.c"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -89,6 +89,11 @@ def open_library(path: Path) -> ctypes.CDLL:
         function = getattr(library, name)
         function.restype = ctypes.c_int
         function.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
+                             ctypes.c_int]
+    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16"):
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
                              ctypes.c_int]
     library.decode_attention_bf16_vector_width.restype = ctypes.c_int
     library.decode_attention_bf16_vector_width.argtypes = []
@@ -150,6 +155,37 @@ def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.T
         query.data_ptr(), out.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), rows.shape[0], num_heads, num_kv_heads,
         head_dim, block_size, scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"{name}: scratch allocation failed")
+
+
+PREFILL_ATTENTION_DTYPES = {torch.float32: "paged_prefill_attention_f32",
+                            torch.bfloat16: "paged_prefill_attention_bf16"}
+
+
+def paged_prefill_attention(query: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
+                            seq_lens: torch.Tensor, block_tables: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, scale: float, library: ctypes.CDLL | None = None) -> None:
+    """Prefill sequence i's ``query_lens[i]`` query rows from row ``starts[i]`` attend causally
+    over its ``seq_lens[i]`` tokens (the queries are the last ones); results go to the same
+    rows of ``out``. Same dtype and layout rules as ``paged_decode_attention``; starts,
+    query_lens and seq_lens int64, tables int32."""
+    library = load() if library is None else library
+    assert library is not None, "check load() before calling"
+    if query.dtype not in PREFILL_ATTENTION_DTYPES:
+        raise ValueError(f"no C prefill attention for {query.dtype}")
+    for tensor, dtype in ((query, query.dtype), (out, query.dtype), (key_cache, query.dtype),
+                          (value_cache, query.dtype), (starts, torch.int64), (query_lens, torch.int64),
+                          (seq_lens, torch.int64), (block_tables, torch.int32)):
+        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    name = PREFILL_ATTENTION_DTYPES[query.dtype]
+    status = getattr(library, name)(
+        query.data_ptr(), out.data_ptr(), starts.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), starts.shape[0],
+        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"{name}: scratch allocation failed")
 

@@ -369,3 +369,38 @@ def test_each_kernel_version_rounds_to_nearest_even(kernel_version) -> None:
         expected = ((v[0] + v[1]) / 2).repeat_interleave(4 // num_kv_heads, dim=0).to(torch.bfloat16)
         assert torch.equal(actual[i].view(torch.int16), expected.view(torch.int16)), (
             f"{name} build, seed {seed}, sequence {i}: not rounded to nearest even")
+
+
+@c_kernel_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + ODD_SHAPES, ids=shape_id)
+def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: torch.dtype,
+                                                       shape: tuple[int, int, int, int]) -> None:
+    """Prefill rows (fresh prompts and chunks over a cached context, several query tiles and
+    key blocks, decode rows left to NaN) through one build of the prefill kernel, on 1 and 3
+    threads."""
+    name, library = kernel_version
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    specs = [(0, rng.randrange(2, 80)), (rng.randrange(1, 120), rng.randrange(2, 70)), (rng.randrange(1, 40), 1)]
+    rng.shuffle(specs)
+    batch = make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, dtype, CPU)
+    scale = 1.3 * head_dim ** -0.5
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale)
+    plan = plan_for(batch)
+    prefill_rows = torch.cat([torch.arange(span.q_start, span.q_end) for span in plan.prefills])
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        out = torch.full_like(batch.query, float("nan"))
+        try:
+            cpu_native.paged_prefill_attention(batch.query, out, plan.prefill_starts, plan.prefill_query_lens,
+                                               plan.prefill_seq_lens, plan.prefill_tables, batch.key_cache,
+                                               batch.value_cache, scale, library=library)
+        finally:
+            torch.set_num_threads(1)
+        check(out[prefill_rows], expected[prefill_rows], dtype,
+              f"{name} build, {threads} threads, seed {seed}, specs {specs}")
+        decode_rows = torch.tensor([i for i in range(out.shape[0]) if i not in set(prefill_rows.tolist())])
+        assert out[decode_rows].isnan().all(), "the prefill kernel wrote rows that are not its own"

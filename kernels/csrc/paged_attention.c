@@ -335,3 +335,191 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
     }
     return failed ? -1 : 0;
 }
+
+/* ---- prefill: sequences with several new tokens (prompts, prompt chunks) -----------------
+ *
+ * Flash-attention style, float32 arithmetic over float32 or bfloat16 pages: one task is one
+ * KV head of one sequence and a tile of up to PREFILL_QUERY_TILE of its queries, with all the
+ * query heads of that KV head's group as rows (GQA: they share every K and V row read). Keys
+ * are taken PREFILL_KEY_BLOCK at a time: the block's K is transposed into a [head_dim][16]
+ * buffer once and serves every row of the tile, so each row's 16 scores come from head_dim
+ * multiply-adds over 16 lanes, no horizontal sums; a running max and sum per row rescale
+ * the row's output as each block arrives (online softmax), and key blocks past the tile's
+ * last query are never read (causal). torch's CPU flash attention, which this replaces,
+ * needed float32 copies of the gathered K/V and ~3.5 ms per layer for a 512-token prompt
+ * on the 2-core AVX-512 EPYC. The inner loops are plain C that gcc vectorises for the
+ * compiled ISA; exp is exp_ps above where there is one. */
+#define PREFILL_KEY_BLOCK 16
+#define PREFILL_QUERY_TILE 32
+#define PREFILL_ROWS_AT_ONCE 8   /* rows whose scores are accumulated together (independent FMA chains) */
+
+static inline float load_element(const void *base, int is_bf16, int64_t index) {
+    return is_bf16 ? bf16_to_f32(((const bf16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+/* p[t] = exp(s[t] - max) for t < PREFILL_KEY_BLOCK (masked lanes hold -inf and give 0). */
+static inline void exp_block(const float *restrict s, float max, float *restrict p) {
+#if defined(__AVX512F__)
+    for (int t = 0; t < PREFILL_KEY_BLOCK; t += 16)
+        _mm512_storeu_ps(p + t, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(max))));
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int t = 0; t < PREFILL_KEY_BLOCK; t += 8)
+        _mm256_storeu_ps(p + t, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(max))));
+#else
+    for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) p[t] = expf(s[t] - max);
+#endif
+}
+
+/* Scratch floats one task needs. */
+static int64_t prefill_scratch_floats(int64_t rows, int64_t head_dim) {
+    return rows * (2 * head_dim + 2 + PREFILL_KEY_BLOCK) + 2 * head_dim * PREFILL_KEY_BLOCK + PREFILL_KEY_BLOCK;
+}
+
+/* Queries [i0, i1) of one sequence (packed row ``row0`` is its query 0, at absolute position
+ * ``context_len``), the heads of KV head ``g``. ``rows`` = group * (i1 - i0) rounded up to
+ * PREFILL_ROWS_AT_ONCE; row r is query i0 + r / group, head g * group + r % group. */
+static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
+                         int64_t context_len, const int32_t *table, const void *key_cache, const void *value_cache,
+                         int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         float scale, int64_t rows, float *restrict scratch) {
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t real_rows = group * (i1 - i0);
+    float *restrict q = scratch;                       /* [rows][head_dim], scaled */
+    float *restrict o = q + rows * head_dim;           /* [rows][head_dim] */
+    float *restrict row_max = o + rows * head_dim;     /* [rows] */
+    float *restrict row_sum = row_max + rows;          /* [rows] */
+    float *restrict s = row_sum + rows;                /* [rows][KEY_BLOCK] */
+    float *restrict kt = s + rows * PREFILL_KEY_BLOCK; /* [head_dim][KEY_BLOCK] */
+    float *restrict vb = kt + head_dim * PREFILL_KEY_BLOCK;   /* [KEY_BLOCK][head_dim] */
+    float *restrict p = vb + head_dim * PREFILL_KEY_BLOCK;    /* [KEY_BLOCK] */
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        for (int64_t d = 0; d < head_dim; ++d)
+            q[r * head_dim + d] = r < real_rows ? scale * load_element(query, is_bf16, ((row0 + i) * num_heads + h) * head_dim + d) : 0.0f;
+        memset(o + r * head_dim, 0, sizeof(float) * head_dim);
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
+    for (int64_t j0 = 0; j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
+        const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
+        for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
+            if (t < keys) {
+                const int64_t at = token_offset(table, j0 + t, block_size, token_stride) + g * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    kt[d * PREFILL_KEY_BLOCK + t] = load_element(key_cache, is_bf16, at + d);
+                    vb[t * head_dim + d] = load_element(value_cache, is_bf16, at + d);
+                }
+            } else {   /* past the keys: zeros (never NaN from memory), masked below */
+                for (int64_t d = 0; d < head_dim; ++d) kt[d * PREFILL_KEY_BLOCK + t] = vb[t * head_dim + d] = 0.0f;
+            }
+        }
+        /* scores: PREFILL_ROWS_AT_ONCE rows x 16 keys at a time */
+        for (int64_t r0 = 0; r0 < rows; r0 += PREFILL_ROWS_AT_ONCE) {
+            float acc[PREFILL_ROWS_AT_ONCE][PREFILL_KEY_BLOCK] = {{0}};
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float *k = kt + d * PREFILL_KEY_BLOCK;
+                _Pragma("GCC unroll 8") for (int rr = 0; rr < PREFILL_ROWS_AT_ONCE; ++rr) {
+                    const float qd = q[(r0 + rr) * head_dim + d];
+#pragma omp simd
+                    for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) acc[rr][t] += qd * k[t];
+                }
+            }
+            memcpy(s + r0 * PREFILL_KEY_BLOCK, acc, sizeof acc);
+        }
+        for (int64_t r = 0; r < real_rows; ++r) {
+            const int64_t visible = context_len + i0 + r / group - j0 + 1;   /* keys j0.. this row may see */
+            if (visible <= 0) continue;      /* the whole block is in this row's future */
+            float *sr = s + r * PREFILL_KEY_BLOCK;
+            float block_max = -INFINITY;
+            for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
+                if (t >= visible || t >= keys) sr[t] = -INFINITY;
+                block_max = sr[t] > block_max ? sr[t] : block_max;
+            }
+            const float new_max = block_max > row_max[r] ? block_max : row_max[r];
+            const float correction = expf(row_max[r] - new_max);   /* 0 on the first block */
+            exp_block(sr, new_max, p);
+            float block_sum = 0.0f;
+            for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) block_sum += p[t];
+            row_sum[r] = row_sum[r] * correction + block_sum;
+            row_max[r] = new_max;
+            float *orow = o + r * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) {
+                float acc = orow[d] * correction;
+                for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) acc += p[t] * vb[t * head_dim + d];
+                orow[d] = acc;
+            }
+        }
+    }
+    for (int64_t r = 0; r < real_rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        const int64_t at = ((row0 + i) * num_heads + h) * head_dim;
+        const float inv = 1.0f / row_sum[r];
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const float value = o[r * head_dim + d] * inv;
+            if (is_bf16) ((bf16_t *)out)[at + d] = f32_to_bf16(value);
+            else ((float *)out)[at + d] = value;
+        }
+    }
+}
+
+/* Every prefill sequence of a step: sequence s owns packed rows q_starts[s] ..
+ * q_starts[s] + q_lens[s], the last q_lens[s] of its seq_lens[s] tokens. Tasks (sequence,
+ * KV head, query tile) go to OpenMP threads. Returns 0, or -1 when scratch allocation failed. */
+static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_starts, const int64_t *q_lens,
+                   const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
+                   const void *key_cache, const void *value_cache, int64_t num_seqs, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    int64_t num_tasks = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        num_tasks += num_kv_heads * ((q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE);
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t rows = (group * PREFILL_QUERY_TILE + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
+                         PREFILL_ROWS_AT_ONCE;
+    int failed = 0;
+    /* Tasks late in a sequence read more keys: the last tiles first, dynamic, to balance. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+        int64_t rest = task, s = 0;
+        for (;; ++s) {
+            const int64_t seq_tasks = num_kv_heads * ((q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE);
+            if (rest < seq_tasks) break;
+            rest -= seq_tasks;
+        }
+        const int64_t tiles = (q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE;
+        const int64_t tile = tiles - 1 - rest / num_kv_heads, g = rest % num_kv_heads;
+        const int64_t i0 = tile * PREFILL_QUERY_TILE;
+        const int64_t i1 = i0 + PREFILL_QUERY_TILE < q_lens[s] ? i0 + PREFILL_QUERY_TILE : q_lens[s];
+        const int64_t task_rows = (group * (i1 - i0) + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
+                                  PREFILL_ROWS_AT_ONCE;
+        float *scratch = malloc(sizeof(float) * prefill_scratch_floats(rows, head_dim));
+        if (scratch == NULL) {
+            failed = 1;
+            continue;
+        }
+        prefill_task(query, out, is_bf16, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
+                     block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads, num_kv_heads,
+                     head_dim, block_size, scale, task_rows, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+int paged_prefill_attention_f32(const float *query, float *out, const int64_t *q_starts, const int64_t *q_lens,
+                                const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
+                                const float *key_cache, const float *value_cache, int64_t num_seqs, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                int num_threads) {
+    return prefill(query, out, 0, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
+int paged_prefill_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *q_starts, const int64_t *q_lens,
+                                 const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
+                                 const bf16_t *key_cache, const bf16_t *value_cache, int64_t num_seqs,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int num_threads) {
+    return prefill(query, out, 1, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+}
