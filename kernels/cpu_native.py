@@ -1,6 +1,6 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
-or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c)
-and the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c).
+or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c),
+the bfloat16 LM head with float32 logits (kernels/csrc/linear_bf16.c) and the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
 compiled for the machine it runs on (``-march=native``) the first time a process needs it
@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
-                                                                       "layer_ops.c"))
+                                                                       "linear_bf16.c", "layer_ops.c"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -99,6 +99,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.decode_attention_bf16_vector_width.argtypes = []
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
+    library.linear_bf16_supported.restype = ctypes.c_int
+    library.linear_bf16_supported.argtypes = []
+    library.linear_bf16_f32.restype = None
+    library.linear_bf16_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, ctypes.c_int]
     library.linear_f32.restype = None
     library.linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
     for suffix in LAYER_OPS_SUFFIXES.values():
@@ -125,6 +129,24 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     if rows:
         load().linear_f32(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
                           None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear_bf16_available() -> bool:
+    """The bfloat16 x bfloat16 -> float32 kernel builds here (the CPU has AVX512_BF16)."""
+    library = load()
+    return library is not None and bool(library.linear_bf16_supported())
+
+
+def linear_bf16_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` in float32 with ``packed`` = ``backend.model.cpu_linear.pack_pairs(W)``.
+    ``x``: [rows, in_features] bfloat16 CPU, unit column stride, in_features even; returns a
+    new contiguous float32 [rows, out_features]."""
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features)
+    if rows:
+        load().linear_bf16_f32(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
+                               out.data_ptr(), torch.get_num_threads())
     return out
 
 

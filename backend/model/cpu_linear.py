@@ -102,6 +102,54 @@ class NativeLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bfloat16 -> [ceil(out / 16), in / 2, 16, 2]: panels of 16 output columns with
+    the input dimension in pairs, zero-padded past ``out`` (kernels/csrc/linear_bf16.c)."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL_WIDTH)
+    padded = torch.zeros(num_panels * PANEL_WIDTH, in_features, dtype=torch.bfloat16)
+    padded[:out_features] = weight.detach()
+    return padded.view(num_panels, PANEL_WIDTH, in_features // 2, 2).transpose(1, 2).contiguous()
+
+
+class Float32Logits(nn.Module):
+    """The LM head of a bfloat16 model on CPU, giving float32 logits: bfloat16 logits (8
+    significant bits) tie and reorder the top tokens. Through our AVX512_BF16 kernel
+    (bfloat16 weights, exact products, float32 sums) where it builds; elsewhere through a
+    float32 copy of the weight (prepacked oneDNN or ``F.linear``), the same arithmetic."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = self.float_head = None
+        if weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and cpu_native.linear_bf16_available():
+            self.packed_weight = pack_pairs(weight)
+        elif onednn_packing_available():
+            self.float_head = PackedLinear(weight.detach().float(), None)
+        else:
+            self.float_head = _TorchLinear(weight.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return self.float_head(x.float())
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return cpu_native.linear_bf16_f32(x, self.packed_weight, self.out_features)
+
+    def extra_repr(self) -> str:
+        path = "bf16 kernel" if self.packed_weight is not None else "float32 copy"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {path}"
+
+
+class _TorchLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (opaque tensor)."""
 

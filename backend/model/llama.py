@@ -17,7 +17,7 @@ from torch import nn
 import kernels
 from kernels import cpu_native
 from backend.model.architecture import ModelArchitecture
-from backend.model.cpu_linear import NativeLinear, PackedLinear, replace_linears
+from backend.model.cpu_linear import Float32Logits, NativeLinear, PackedLinear, replace_linears
 
 
 def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
@@ -232,6 +232,7 @@ class CausalLM(nn.Module):
         and gets a packed copy for logits."""
         make = {"native": NativeLinear, "onednn": PackedLinear}[kind]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = make(weight, None)
+        # A bfloat16 head still gives float32 logits (Float32Logits says why).
+        self.packed_lm_head = Float32Logits(weight) if weight.dtype == torch.bfloat16 else make(weight, None)
         self.lm_head = None
         replace_linears(self.model.layers, make)
