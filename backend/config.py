@@ -46,6 +46,8 @@ class EngineConfig:
     cpu_fused_ops: bool = True                 # CPU float32/bfloat16: residual add + RMSNorm and RoPE + KV write
                                                # fused in C (kernels/csrc/layer_ops.c); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
+    step_trace_path: str = ""                  # served engine: one JSON line per step (which requests, how many
+                                               # tokens, prefill or decode, time) appended here; "" = off
     # Speculative decoding (backend/sample/speculative.py): drafts verified in the same packed step.
     speculative_method: Literal["none", "ngram"] = "none"  # ngram: prompt lookup over the request's tokens
     num_speculative_tokens: int = 5            # drafts per request and step, at most

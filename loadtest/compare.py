@@ -7,10 +7,12 @@ from pathlib import Path
 from loadtest import plots, report
 from loadtest.analysis import GroupStats, Summary
 from loadtest.records import read_records
+from loadtest.slots import STEPS_FILE, read_steps, slot_timeline
 
 MODES = ("continuous", "static")
 COMPARE_MD = "compare.md"
 COMPARE_PNG = "compare.png"
+SLOTS_PNG = "slots.png"
 
 # (label, attribute path in the overall row)
 METRICS: list[tuple[str, str]] = [
@@ -72,12 +74,29 @@ def write_comparison(parent: Path, run_dirs: dict[str, Path]) -> Path:
         summary = summaries[mode]
         runs[f"batching={mode}"] = (read_records(run_dir / report.RECORDS), summary.start, summary.window_s)
     plots.comparison(runs, parent / COMPARE_PNG)
+    slots = slot_section(parent, run_dirs, summaries)
     meta = report.read_json(run_dirs[MODES[0]] / report.RUN_META)
     locust = report.read_json(run_dirs[MODES[0]] / report.LOCUST_META)
     parts = [f"# Continuous vs static batching: {parent.name}", "", *report.describe_run(meta, locust), "",
              "Both runs: the same profile, seed, users and duration; only the engine's `batching` parameter differs.",
              "", comparison_table(summaries), "", headline(summaries), "", f"![comparison]({COMPARE_PNG})", "",
+             *slots,
              "Per-run reports: " + ", ".join(f"[{m}]({run_dirs[m].name}/{report.REPORT})" for m in MODES), ""]
     path = parent / COMPARE_MD
     path.write_text("\n".join(parts))
     return path
+
+
+def slot_section(parent: Path, run_dirs: dict[str, Path], summaries: dict[str, Summary]) -> list[str]:
+    """The slot timeline of both runs from the servers' step records (loadtest/slots.py), with
+    each mode's measured occupancy next to the throughput ratio. Empty when a run has none."""
+    if not all((run_dirs[m] / STEPS_FILE).exists() for m in MODES):
+        return []
+    timelines = {f"batching={m}": slot_timeline(read_steps(run_dirs[m] / STEPS_FILE)) for m in MODES}
+    plots.slot_timelines(timelines, parent / SLOTS_PNG)
+    (c, s) = (timelines[f"batching={m}"].occupancy for m in MODES)
+    (tc, ts) = (summaries[m].overall.output_throughput for m in MODES)
+    ratio = f"{tc / ts:.2f}x" if tc and ts else "–"
+    return [f"Slot occupancy (busy slot-steps over all, from the engine's step records): continuous "
+            f"**{c:.0%}**, static **{s:.0%}**; output tokens/s continuous / static: **{ratio}**.", "",
+            f"![slots]({SLOTS_PNG})", ""]

@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 
 from loadtest.analysis import OVERALL, in_flight_series, request_metrics, row_order, throughput_series  # noqa: E402
 from loadtest.records import INTERRUPTED, RequestRecord  # noqa: E402
+from loadtest.slots import SlotTimeline  # noqa: E402
 
 DPI = 90
 
@@ -105,6 +106,34 @@ def comparison(runs: dict[str, tuple[list[RequestRecord], float, float]], path: 
     for ax in (ax_ttft, ax_tok):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def slot_timelines(timelines: dict[str, SlotTimeline], path: Path, max_steps: int = 240) -> Path:
+    """Slot x engine step for each mode (loadtest/slots.py): one colour per request, white where
+    the slot is idle, a dot where the slot computed a prefill chunk. A window of ``max_steps``
+    steps from the middle of the run (the whole run is thousands of steps)."""
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 2.6 * len(timelines)), squeeze=False)
+    palette = plt.get_cmap("tab20")
+    for ax, (label, timeline) in zip(axes[:, 0], timelines.items()):
+        steps = timeline.request.shape[1]
+        start = max(0, steps // 2 - max_steps // 2)
+        window = timeline.request[:, start:start + max_steps]
+        image = np.ones(window.shape + (3,))
+        busy = window >= 0
+        image[busy] = np.asarray([palette(i % 20)[:3] for i in window[busy]])
+        ax.imshow(image, aspect="auto", interpolation="nearest",
+                  extent=(start - 0.5, start + window.shape[1] - 0.5, window.shape[0] - 0.5, -0.5))
+        slots, cols = np.nonzero(timeline.prefill[:, start:start + max_steps])
+        ax.scatter(cols + start, slots, s=4, c="black", marker=".", label="prefill chunk")
+        ax.set_title(f"{label}: slot occupancy {timeline.occupancy:.0%} over the whole run "
+                     f"({timeline.request.shape[0]} slots, {steps} steps)", fontsize=10)
+        ax.set_ylabel("slot")
+        ax.legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("engine step (white: slot idle)")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -244,7 +244,11 @@ def run_compare(options: LoadOptions) -> tuple[dict[str, RunResult], Path]:
     results = {}
     for batching in compare.MODES:
         print(f"\n=== batching={batching} ===", flush=True)
-        results[batching] = run_load(replace(options, server="start", run_dir=parent / batching,
-                                             params={**options.params, "batching": batching}))
+        run_dir = parent / batching
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # The engine's step records draw the slot timeline (loadtest/slots.py).
+        results[batching] = run_load(replace(options, server="start", run_dir=run_dir,
+                                             params={**options.params, "batching": batching,
+                                                     "step_trace_path": str(run_dir.resolve() / compare.STEPS_FILE)}))
         print_result(results[batching])
     return results, compare.write_comparison(parent, {m: r.run_dir for m, r in results.items()})

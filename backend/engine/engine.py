@@ -101,6 +101,9 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []   # e.g. aborts, reported by the next step()
         self._arrivals = itertools.count()
         self.num_steps = 0
+        # What the last step computed: request id -> (tokens, whether they were prompt tokens).
+        # Read by the loop's step trace (EngineConfig.step_trace_path).
+        self.last_step_rows: dict[str, tuple[int, bool]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
@@ -188,6 +191,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        self.last_step_rows = {r.request_id: (sched.num_scheduled_tokens[r.request_id],
+                                              r.num_computed_tokens < r.num_prompt_tokens) for r in sched.requests}
         # The generators as they were before this step: a failed step may have drawn from some.
         rng = self.sampler.rng_state(sched.requests)
         computed = sched.requests

@@ -16,6 +16,7 @@ Thread ownership:
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import threading
 import time
@@ -126,6 +127,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Loop-thread state.
         self._malloc_trim = _load_malloc_trim()
+        self._step_trace = None   # opened on the loop thread (EngineConfig.step_trace_path)
         self._last_trim = time.monotonic()
         self._callbacks: dict[str, OutputCallback] = {}
         self._arrival: dict[str, float] = {}
@@ -257,6 +259,8 @@ class EngineLoop:
             nothing_ran = self.engine.num_steps == steps_before and not outputs
             if not nothing_ran:
                 self.latency_samples.append(LatencySample("step", time.monotonic() - started))
+            if self.engine.num_steps != steps_before and self.engine.config.step_trace_path:
+                self._trace_step(started, time.monotonic() - started)
             self._deliver(outputs)
             self.stats = self.engine.stats()
             if nothing_ran:
@@ -266,6 +270,15 @@ class EngineLoop:
             if self._malloc_trim is not None and time.monotonic() - self._last_trim > TRIM_INTERVAL_S:
                 self._malloc_trim(0)
                 self._last_trim = time.monotonic()
+
+    def _trace_step(self, started: float, seconds: float) -> None:
+        """One JSON line per step: its number, start (monotonic s), duration (ms) and rows
+        ``[request id, tokens, prefill?]`` (loadtest/slots.py draws the slot timeline from it)."""
+        if self._step_trace is None:
+            self._step_trace = open(self.engine.config.step_trace_path, "a", buffering=1)
+        rows = [[request_id, tokens, prefill] for request_id, (tokens, prefill) in self.engine.last_step_rows.items()]
+        self._step_trace.write(json.dumps({"step": self.engine.num_steps, "t": round(started, 6),
+                                           "ms": round(seconds * 1e3, 3), "rows": rows}) + "\n")
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):

@@ -1,0 +1,56 @@
+"""Slot timelines from step records (loadtest/slots.py) and the engine loop's step trace
+that feeds them (EngineConfig.step_trace_path)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.engine.loop import EngineLoop
+from loadtest.slots import read_steps, slot_timeline
+
+
+def step(*rows: tuple[str, int, bool]) -> dict:
+    return {"step": 0, "t": 0.0, "ms": 1.0, "rows": [list(r) for r in rows]}
+
+
+def test_continuous_refills_a_slot_the_step_after_it_frees() -> None:
+    steps = [step(("a", 5, True), ("b", 3, True)), step(("a", 1, False), ("b", 1, False)),
+             step(("b", 1, False), ("c", 4, True)), step(("b", 1, False), ("c", 1, False))]
+    timeline = slot_timeline(steps)
+    assert timeline.request.shape == (2, 4)
+    assert timeline.request[0].tolist() == [0, 0, 2, 2]        # a, then c in a's slot
+    assert timeline.request[1].tolist() == [1, 1, 1, 1]
+    assert timeline.prefill[0].tolist() == [True, False, True, False]
+    assert timeline.occupancy == 1.0
+
+
+def test_static_batch_leaves_finished_slots_idle_until_it_drains() -> None:
+    steps = [step(("a", 5, True), ("b", 3, True)), step(("a", 1, False), ("b", 1, False)),
+             step(("b", 1, False)), step(("b", 1, False)), step(("c", 4, True), ("d", 2, True))]
+    timeline = slot_timeline(steps)
+    assert timeline.request[0].tolist() == [0, 0, -1, -1, 2]   # idle while b finishes
+    assert timeline.request[1].tolist() == [1, 1, 1, 1, 3]
+    assert timeline.occupancy == 8 / 10
+
+
+def test_engine_loop_writes_one_record_per_step(tmp_path: Path, model_dir: Path) -> None:
+    trace = tmp_path / "steps.jsonl"
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
+                                 step_trace_path=str(trace)))
+    loop = EngineLoop(engine).start()
+    try:
+        done = []
+        loop.submit("r1", list(range(100, 140)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                    lambda out: done.append(out) if not isinstance(out, BaseException) and out.finished else None)
+        assert loop.wait_idle(60)
+    finally:
+        loop.stop()
+    steps = read_steps(trace)
+    assert done and len(steps) == engine.num_steps
+    tokens = [row[1] for s in steps for row in s["rows"]]
+    prefill = [row[2] for s in steps for row in s["rows"]]
+    assert tokens == [16, 16, 8, 1, 1]            # a 40-token prompt in 16-token chunks, then 2 decodes
+    assert prefill == [True, True, True, False, False]
+    assert all(s["ms"] > 0 for s in steps) and json.loads(trace.read_text().splitlines()[0])["rows"][0][0] == "r1"
