@@ -239,6 +239,8 @@ class EngineLoop:
                 self._apply(command)
             if stopping:
                 self._abort_all("server is shutting down: generation stopped")
+                if self._step_trace is not None:
+                    self._step_trace.close()
                 self._idle.set()
                 return
             if drain_expired and self.engine.requests:
