@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
                                                                        "linear_bf16.c", "layer_ops.c"))
+HEADERS = (Path(__file__).resolve().parent / "csrc" / "bf16.h",)   # part of the build hash, not compiled alone
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -53,7 +54,7 @@ def build(compiler: str = "gcc", cflags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile (once per source/flags/CPU) and return the shared library's path. ``cflags``
     other than the default: tests build the same sources for an older instruction set."""
     digest = hashlib.sha256(" ".join(cflags).encode() + _cpu_signature().encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -163,22 +164,31 @@ def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.T
     ``library``: another build of the kernels (tests); default ``load()``."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
-    if query.dtype not in DECODE_ATTENTION_DTYPES:
-        raise ValueError(f"no C decode attention for {query.dtype}")
-    for tensor, dtype in ((query, query.dtype), (out, query.dtype), (key_cache, query.dtype),
-                          (value_cache, query.dtype), (rows, torch.int64), (seq_lens, torch.int64),
-                          (block_tables, torch.int32)):
-        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError(f"expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    name = _attention_kernel(DECODE_ATTENTION_DTYPES, "decode", query, out, key_cache, value_cache,
+                             (rows, seq_lens), block_tables)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    name = DECODE_ATTENTION_DTYPES[query.dtype]
     status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), rows.shape[0], num_heads, num_kv_heads,
         head_dim, block_size, scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"{name}: scratch allocation failed")
+
+
+def _attention_kernel(kernels: dict[torch.dtype, str], kind: str, query: torch.Tensor, out: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor, indices: tuple[torch.Tensor, ...],
+                      block_tables: torch.Tensor) -> str:
+    """The kernel's name for the query's dtype, after checking every tensor an attention kernel
+    reads: contiguous CPU tensors, query/out/caches of one dtype, ``indices`` int64, tables int32."""
+    if query.dtype not in kernels:
+        raise ValueError(f"no C {kind} attention for {query.dtype}")
+    expected = [(query, query.dtype), (out, query.dtype), (key_cache, query.dtype), (value_cache, query.dtype),
+                *((index, torch.int64) for index in indices), (block_tables, torch.int32)]
+    for tensor, dtype in expected:
+        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    return kernels[query.dtype]
 
 
 PREFILL_ATTENTION_DTYPES = {torch.float32: "paged_prefill_attention_f32",
@@ -194,16 +204,10 @@ def paged_prefill_attention(query: torch.Tensor, out: torch.Tensor, starts: torc
     query_lens and seq_lens int64, tables int32."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
-    if query.dtype not in PREFILL_ATTENTION_DTYPES:
-        raise ValueError(f"no C prefill attention for {query.dtype}")
-    for tensor, dtype in ((query, query.dtype), (out, query.dtype), (key_cache, query.dtype),
-                          (value_cache, query.dtype), (starts, torch.int64), (query_lens, torch.int64),
-                          (seq_lens, torch.int64), (block_tables, torch.int32)):
-        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError(f"expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    name = _attention_kernel(PREFILL_ATTENTION_DTYPES, "prefill", query, out, key_cache, value_cache,
+                             (starts, query_lens, seq_lens), block_tables)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    name = PREFILL_ATTENTION_DTYPES[query.dtype]
     status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), starts.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), starts.shape[0],

@@ -22,10 +22,20 @@ def library_builds() -> None:
 @pytest.mark.parametrize("hidden", [7, 64, 576])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm_matches_residual_add_then_rmsnorm(rows: int, hidden: int, with_delta: bool) -> None:
-    gen = torch.Generator().manual_seed(rows * hidden)
-    residual = torch.randn(rows, hidden, generator=gen) * 3
-    delta = torch.randn(rows, hidden, generator=gen) if with_delta else None
-    norm = RMSNorm(hidden, 1e-5)
+    residual, expected_residual, out, expected = add_rms_norm_case(rows, hidden, with_delta, torch.float32,
+                                                                   seed=rows * hidden)
+    assert torch.equal(residual, expected_residual)          # the same float32 add
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=2e-6)
+
+
+def add_rms_norm_case(rows: int, hidden: int, with_delta: bool, dtype: torch.dtype,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs through the fused op and through the torch ops it replaces (a residual
+    add, then ``RMSNorm``): (residual after the op, after the torch add, op output, torch output)."""
+    gen = torch.Generator().manual_seed(seed)
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=gen).to(dtype) if with_delta else None
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, generator=gen))
     expected_residual = residual + delta if with_delta else residual.clone()
@@ -33,8 +43,7 @@ def test_add_rms_norm_matches_residual_add_then_rmsnorm(rows: int, hidden: int, 
         expected = norm(expected_residual)
     out = torch.full_like(residual, float("nan"))
     cpu_native.add_rms_norm(residual, delta, norm.weight.detach(), out, 1e-5)
-    assert torch.equal(residual, expected_residual)          # the same float32 add
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=2e-6)
+    return residual, expected_residual, out, expected
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 8), (4, 1, 128)])
@@ -133,17 +142,8 @@ BF16_ULP = 2.0 ** -7   # relative spacing of bfloat16 values
 def test_add_rms_norm_bf16_rounds_like_the_torch_ops(rows: int, hidden: int, with_delta: bool) -> None:
     """bfloat16: the residual add is torch's bit for bit; the normalised output within one
     bfloat16 unit (only the float32 sum of squares is summed in another order)."""
-    gen = torch.Generator().manual_seed(rows * hidden + 1)
-    residual = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
-    delta = torch.randn(rows, hidden, generator=gen).bfloat16() if with_delta else None
-    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(hidden, generator=gen))
-    expected_residual = residual + delta if with_delta else residual.clone()
-    with torch.no_grad():
-        expected = norm(expected_residual)
-    out = torch.full_like(residual, float("nan"))
-    cpu_native.add_rms_norm(residual, delta, norm.weight.detach(), out, 1e-5)
+    residual, expected_residual, out, expected = add_rms_norm_case(rows, hidden, with_delta, torch.bfloat16,
+                                                                   seed=rows * hidden + 1)
     assert torch.equal(residual, expected_residual)
     assert not out.isnan().any()
     difference = (out.float() - expected.float()).abs()

@@ -102,7 +102,7 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         # What the last step computed: request id -> (tokens, whether they were prompt tokens).
-        # Read by the loop's step trace (EngineConfig.step_trace_path).
+        # Kept only for the loop's step trace (EngineConfig.step_trace_path).
         self.last_step_rows: dict[str, tuple[int, bool]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -191,8 +191,10 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        self.last_step_rows = {r.request_id: (sched.num_scheduled_tokens[r.request_id],
-                                              r.num_computed_tokens < r.num_prompt_tokens) for r in sched.requests}
+        if self.config.step_trace_path:
+            self.last_step_rows = {r.request_id: (sched.num_scheduled_tokens[r.request_id],
+                                                  r.num_computed_tokens < r.num_prompt_tokens)
+                                   for r in sched.requests}
         # The generators as they were before this step: a failed step may have drawn from some.
         rng = self.sampler.rng_state(sched.requests)
         computed = sched.requests

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from backend.config import CPU_LINEAR_CHOICES
@@ -121,17 +122,19 @@ class Float32Logits(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = self.float_head = None
+        self.packed_weight = self.float_head = self.float_weight = None
         if weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and cpu_native.linear_bf16_available():
             self.packed_weight = pack_pairs(weight)
         elif onednn_packing_available():
             self.float_head = PackedLinear(weight.detach().float(), None)
         else:
-            self.float_head = _TorchLinear(weight.detach().float())
+            self.float_weight = weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
+        if self.float_head is not None:
             return self.float_head(x.float())
+        if self.float_weight is not None:
+            return F.linear(x.float(), self.float_weight)
         if x.stride(-1) != 1:
             x = x.contiguous()
         return cpu_native.linear_bf16_f32(x, self.packed_weight, self.out_features)
@@ -139,15 +142,6 @@ class Float32Logits(nn.Module):
     def extra_repr(self) -> str:
         path = "bf16 kernel" if self.packed_weight is not None else "float32 copy"
         return f"in_features={self.in_features}, out_features={self.out_features}, {path}"
-
-
-class _TorchLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
 
 
 class PackedLinear(nn.Module):

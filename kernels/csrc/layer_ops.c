@@ -18,22 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;   /* raw bits of a bfloat16 */
-
-static inline float bf16_to_f32(bf16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, NaN to the canonical quiet NaN (c10::BFloat16's conversion). */
-static inline bf16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0x7FC0;
-    return (bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 /* float32 -> bfloat16 -> float32: what a bfloat16 torch op's result holds. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }

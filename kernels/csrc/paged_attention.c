@@ -37,7 +37,7 @@
 #include <immintrin.h>
 #endif
 
-typedef uint16_t bf16_t;   /* raw bits of a bfloat16 (torch.bfloat16's storage) */
+#include "bf16.h"
 
 /* How far ahead of the token being read its K or V row is prefetched. A sequence's blocks
  * can sit anywhere in the cache (they do once a server has freed and reused blocks for a
@@ -46,22 +46,6 @@ typedef uint16_t bf16_t;   /* raw bits of a bfloat16 (torch.bfloat16's storage) 
  * 300-1000-token contexts on the machine measured (4, 8 and 16 within noise of each other);
  * with consecutive blocks it changes nothing. */
 #define PREFETCH_TOKENS 8
-
-static inline float bf16_to_f32(bf16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, NaN to the canonical quiet NaN: the same bits as c10::BFloat16's
- * conversion from float (torch's .to(bfloat16)). */
-static inline bf16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0x7FC0;
-    return (bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 static inline __attribute__((always_inline)) void widen(const bf16_t *restrict src, float *restrict dst, int64_t n) {
 #pragma omp simd
