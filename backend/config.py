@@ -28,6 +28,13 @@ class EngineConfig:
                                                # that activations + KV may take (KV gets the rest)
     max_num_seqs: int = 64                     # running requests per step
     max_num_batched_tokens: int = 512          # token budget per step (prefill chunks + decodes)
+    itl_target_ms: float = 150.0               # prefill chunks sized so each step's predicted time stays
+                                               # under this (backend/core/step_cost.py); 0 = fixed token budget
+    min_prefill_chunk_tokens: int = 32         # an unfinished prefill advances at least this much per step
+    long_prefill_token_threshold: int = 0      # prompts longer than this are "long" (after shorter ones in a
+                                               # step); 0 = max_num_batched_tokens
+    max_num_partial_prefills: int = 4          # requests mid-prefill at a time (continuous batching)
+    max_long_partial_prefills: int = 1         # ... of which long ones
     max_model_len: int | None = None           # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -62,6 +69,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """Prompt tokens (still to compute) above which a prefill counts as long."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
@@ -105,6 +117,11 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               "max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
+        check(self.itl_target_ms >= 0, "itl_target_ms must be >= 0 (0 = fixed token budget)")
+        check(self.min_prefill_chunk_tokens >= 1, "min_prefill_chunk_tokens must be >= 1")
+        check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        check(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
+              "need 1 <= max_long_partial_prefills <= max_num_partial_prefills")
         check(self.quantization in ("none", "int8"), "quantization must be none or int8")
         check(self.cpu_linear in CPU_LINEAR_CHOICES, f"cpu_linear must be one of {CPU_LINEAR_CHOICES}")
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")

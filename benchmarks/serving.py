@@ -6,6 +6,10 @@ Reproduce the side-by-side table (servers are measured one after another, never 
         --server llama.cpp=llamacpp@127.0.0.1:8080 --server vllm=openai@127.0.0.1:8100 \\
         --workloads A,B --concurrency 16 --num-requests 64 --seed 0 --json serving.json
 
+Or start our server once per engine configuration, in turn (``--launch NAME:KEY=VALUE,...``):
+
+    python -m benchmarks.serving --launch default: --launch fixed-budget:itl_target_ms=0 --workloads A,B
+
 APIs: ``triton`` (Triton's HTTP generate_stream, model ``--model``), ``llamacpp`` (llama-server
 ``/completion``), ``openai`` (vLLM ``/v1/completions``; model from ``GET /v1/models`` unless
 ``--served-model``). Every request is greedy, ``ignore_eos``, streamed (server-sent events).
@@ -369,7 +373,9 @@ def markdown_table(summaries: list[Summary]) -> str:
 
 def main(argv: list[str] | None = None) -> list[Summary]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", action="append", required=True, help="NAME=API@HOST:PORT (repeatable)")
+    p.add_argument("--server", action="append", default=[], help="NAME=API@HOST:PORT (repeatable)")
+    p.add_argument("--launch", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="start our server with these engine parameters for this entry (repeatable)")
     p.add_argument("--workloads", default="A,B")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=64)
@@ -384,6 +390,13 @@ def main(argv: list[str] | None = None) -> list[Summary]:
         servers = [parse_server(s, args.model) for s in args.server]
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
+    launches = {}
+    for spec in args.launch:
+        name, _, params = spec.partition(":")
+        launches[name] = dict(item.split("=", 1) for item in params.split(",") if item)
+        servers.append(Server(name, "triton", "127.0.0.1", 0, args.model))
+    if not servers:
+        p.error("give --server or --launch")
     low, high = (int(x) for x in args.id_range.split(","))
     workloads = [make_workload(w.strip(), args.num_requests, args.seed, (low, high))
                  for w in args.workloads.split(",")]
@@ -391,20 +404,30 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     print(f"host CPU: {cpu['cpu_model']} ({cpu['cpu_cores']} cores)", flush=True)
     summaries = []
     for server in servers:
+        started = None
+        if server.name in launches:
+            from server.launch import TritonServer, free_ports
+            http_port, grpc_port, metrics_port = free_ports(3)
+            started = TritonServer(http_port, grpc_port, metrics_port, params=launches[server.name]).start()
+            server.port = http_port
         if server.api == "openai":
             server.model = args.served_model or openai_model(server, args.timeout)
-        for workload in workloads:
-            print(f"running {server.name} ({server.api}) workload {workload.name} ...", file=sys.stderr, flush=True)
-            summaries.append(run_workload(server, workload, args.concurrency, args.timeout,
-                                          id_range=(low, high)))
-            for error in summaries[-1].errors:
-                print(f"  failure: {error}", file=sys.stderr)
+        try:
+            for workload in workloads:
+                print(f"running {server.name} ({server.api}) workload {workload.name} ...", file=sys.stderr, flush=True)
+                summaries.append(run_workload(server, workload, args.concurrency, args.timeout,
+                                              id_range=(low, high)))
+                for error in summaries[-1].errors:
+                    print(f"  failure: {error}", file=sys.stderr)
+        finally:
+            if started is not None:
+                started.stop()
     print(markdown_table(summaries))
     if args.json:
         config = {"workloads": args.workloads.split(","), "seed": args.seed, "concurrency": args.concurrency,
                   "num_requests": args.num_requests, "id_range": [low, high], "timeout_s": args.timeout,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "servers": [asdict(s) for s in servers], **cpu}
+                  "servers": [asdict(s) for s in servers], "launched": launches, **cpu}
         with open(args.json, "w") as f:
             json.dump({"config": config, "summaries": [no_nan(asdict(s)) for s in summaries]}, f, indent=2)
     return summaries

@@ -101,6 +101,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              prompt=_CHAT_PROMPT, output=_CHAT_OUTPUT),
     Scenario("rag", "retrieval-augmented: long prompts, short answers",
              prompt=Uniform(1024, 4096), output=LogNormal(mean=48, sigma=0.6, low=8, high=256)),
+    Scenario("rag-long", "retrieval-augmented, 2-4k-token prompts, short answers (arriving into chat traffic)",
+             prompt=Uniform(2048, 4096), output=LogNormal(mean=48, sigma=0.6, low=8, high=256)),
     Scenario("shared-prefix", "16 groups share a 2048-token system prompt, 128-token questions (prefix caching)",
              prompt=Fixed(128), output=LogNormal(mean=64, sigma=0.6, low=8, high=256),
              groups=16, prefix=Fixed(2048)),
@@ -138,18 +140,23 @@ class Profile:
     server_params: dict[str, str] = field(default_factory=lambda: {"scheduling_policy": "priority"})
     drain_timeout_s: float = 120.0
     prefix_groups: int | None = None   # shared-prefix groups, when a short run needs repeats
+    full_size_prompts: tuple[str, ...] = ()   # scenarios whose prompts keep their full size
 
     def scenarios(self, names: list[str] | None = None) -> dict[str, Scenario]:
         chosen = names or [n for n, w in self.weights.items() if w > 0]
         unknown = sorted(set(chosen) - set(SCENARIOS))
         if unknown:
             raise ValueError(f"unknown scenario(s) {unknown}; known: {sorted(SCENARIOS)}")
-        scenarios = {n: SCENARIOS[n].scaled(self.prompt_scale, self.output_scale) for n in chosen}
+        scenarios = {n: SCENARIOS[n].scaled(1.0 if n in self.full_size_prompts else self.prompt_scale,
+                                            self.output_scale) for n in chosen}
         if self.prefix_groups:
             scenarios = {n: replace(s, groups=self.prefix_groups) if s.groups else s for n, s in scenarios.items()}
         return scenarios
 
 
+# Weights are requests: one in 41 is a long RAG prompt, whose prefill still takes about a third
+# of the compute on 2 CPU cores.
+MIXED_WEIGHTS = {"chat": 40, "rag-long": 1}
 DEFAULT_WEIGHTS = {"chat": 35, "rag": 10, "shared-prefix": 20, "long-generation": 5, "cancel": 10, "priority": 20}
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -161,6 +168,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("cpu", 1 / 8, 1 / 8, users=16, duration_s=180, weights=DEFAULT_WEIGHTS,
             slo=SLO(ttft_s=5.0, tpot_s=0.5),
             server_params={"scheduling_policy": "priority", "max_num_seqs": "12"}),
+    # Mixed-length traffic on 2 CPU cores (issue 24): chat (prompts / 2, outputs / 8) from 8
+    # users, among which 2-4k-token RAG prompts arrive at full size. Default engine settings:
+    # what is measured is how the scheduler keeps the chat streams going.
+    Profile("mixed", 1 / 2, 1 / 8, users=8, duration_s=180, weights=MIXED_WEIGHTS,
+            slo=SLO(ttft_s=5.0, tpot_s=0.2), server_params={}, full_size_prompts=("rag-long",)),
     # The smoke run of `make test`: every scenario equally often, tiny lengths, loose SLOs
     # (it checks correctness, not speed).
     Profile("smoke", 1 / 32, 1 / 32, users=4, duration_s=20, weights={n: 1 for n in SCENARIOS},

@@ -16,12 +16,15 @@ from loadtest.analysis import GroupStats, Percentiles, Summary, summarize
 from loadtest.profiles import DEFAULT_PROFILE, PROFILES, SLO
 from loadtest.records import read_records
 from loadtest.server_metrics import read_samples
+from loadtest.slots import STEPS_FILE, read_steps
+from loadtest.steps import report_lines, step_stats
 
 RECORDS = "records.jsonl"
 SAMPLES = "metrics.jsonl"
 RUN_META = "run.json"        # written by the runner (command, server, SLO)
 LOCUST_META = "locust.json"  # written by the locustfile (what Locust ran)
 SUMMARY = "summary.json"
+STEP_STATS = "steps_summary.json"   # from the server's step records, when the run has them
 REPORT = "report.md"
 LATENCY_PNG = "latency_cdf.png"
 TIMELINE_PNG = "timeline.png"
@@ -204,7 +207,12 @@ def write_report(run_dir: Path, slo: SLO | None = None) -> Summary:
              "TPOT = (E2E − TTFT) / (tokens − 1); cancelled requests count for TTFT/ITL/tokens only.", ""]
     if line := priority_line(summary):
         parts += [line, ""]
-    parts += [*server_lines(samples, meta), "", f"Result: {verdict(summary)}", "",
+    parts += [*server_lines(samples, meta), ""]
+    if (run_dir / STEPS_FILE).exists():
+        stats = step_stats(read_steps(run_dir / STEPS_FILE))
+        parts += report_lines(stats)
+        write_json(run_dir / STEP_STATS, stats.to_dict())
+    parts += [f"Result: {verdict(summary)}", "",
               f"![TTFT and ITL CDFs]({LATENCY_PNG})", "", f"![Throughput, requests and KV cache]({TIMELINE_PNG})",
               "", "Locust's own report: `locust.html`, `locust_stats.json` (final), `locust_*.csv`; raw records: "
               "`records.jsonl`; engine gauges: `metrics.jsonl`.", ""]

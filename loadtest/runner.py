@@ -22,6 +22,7 @@ from loadtest import report
 from loadtest.analysis import Summary
 from loadtest.profiles import DEFAULT_HOST, DEFAULT_PROFILE, PROFILES, SLO, Profile
 from loadtest.server_metrics import wait_until_idle
+from loadtest.slots import STEPS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
@@ -139,7 +140,9 @@ class ServerHandle:
         parsed = urlsplit(f"//{opts.host}")
         if parsed.hostname not in ("127.0.0.1", "localhost"):
             raise SystemExit(f"no server at {opts.host}, and only a local one can be started")
-        self.params = {**opts.profile_def.server_params, **opts.params}
+        # The engine's step records (loadtest/slots.py, loadtest/steps.py) go with the run.
+        self.params = {**opts.profile_def.server_params, "step_trace_path": str(self.log_file.parent.resolve() / STEPS_FILE),
+                       **opts.params}
         http_port, fallback_grpc_port, metrics_port = free_ports(3)
         grpc_port = parsed.port or fallback_grpc_port
         if opts.server == "start" and opts.host == DEFAULT_HOST:
@@ -248,7 +251,6 @@ def run_compare(options: LoadOptions) -> tuple[dict[str, RunResult], Path]:
         run_dir.mkdir(parents=True, exist_ok=True)
         # The engine's step records draw the slot timeline (loadtest/slots.py).
         results[batching] = run_load(replace(options, server="start", run_dir=run_dir,
-                                             params={**options.params, "batching": batching,
-                                                     "step_trace_path": str(run_dir.resolve() / compare.STEPS_FILE)}))
+                                             params={**options.params, "batching": batching}))
         print_result(results[batching])
     return results, compare.write_comparison(parent, {m: r.run_dir for m, r in results.items()})

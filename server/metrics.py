@@ -44,12 +44,18 @@ COUNTERS = {
                                              "(accepted drafts + one each)", "spec_emitted_tokens"),
     "llm_spec_decode_verifications_total": ("Request-steps that verified drafts", "spec_verifications"),
 }
-HISTOGRAMS = {  # LatencySample.kind -> (name, description)
-    "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token"),
-    "itl": ("llm_inter_token_latency_seconds", "Time between consecutive token outputs of a request"),
-    "e2e": ("llm_e2e_request_latency_seconds", "Time from arrival to the final output"),
+# Relative error of the step-time prediction: 0.1 = off by 10%.
+ERROR_BUCKETS = [0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0]
+HISTOGRAMS = {  # LatencySample.kind -> (name, description, buckets)
+    "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token", LATENCY_BUCKETS),
+    "itl": ("llm_inter_token_latency_seconds", "Time between consecutive token outputs of a request",
+            LATENCY_BUCKETS),
+    "e2e": ("llm_e2e_request_latency_seconds", "Time from arrival to the final output", LATENCY_BUCKETS),
     "step": ("llm_engine_step_duration_seconds", "Duration of one engine iteration (schedule, forward pass, "
-                                                 "sampling, outputs)"),
+                                                 "sampling, outputs)", LATENCY_BUCKETS),
+    "step_prediction_error": ("llm_step_time_prediction_error_ratio",
+                              "|predicted - measured| / measured of each engine step's time, as the scheduler's "
+                              "cost model predicted it (only with itl_target_ms > 0)", ERROR_BUCKETS),
 }
 # The families TensorRT-LLM's Triton backend exports, under their names: load-aware routers
 # (the Gateway API inference extension's endpoint picker, Triton's ORCA header) read them for
@@ -70,9 +76,8 @@ class EngineMetrics:
         self._counters = {name: self._family(name, desc, "COUNTER").Metric(labels=self._labels)
                           for name, (desc, _) in COUNTERS.items()}
         self._last: dict[str, float] = {name: 0 for name in COUNTERS}
-        self._histograms = {kind: self._family(name, desc, "HISTOGRAM").Metric(labels=self._labels,
-                                                                               buckets=LATENCY_BUCKETS)
-                            for kind, (name, desc) in HISTOGRAMS.items()}
+        self._histograms = {kind: self._family(name, desc, "HISTOGRAM").Metric(labels=self._labels, buckets=buckets)
+                            for kind, (name, desc, buckets) in HISTOGRAMS.items()}
         self._finished_family = self._family("llm_request_finished_total", "Requests finished, by finish reason",
                                              "COUNTER")
         self._finished: dict[str, Any] = {}
@@ -130,4 +135,4 @@ class EngineMetrics:
         self._requests["active"].set(stats.num_waiting + stats.num_running)
         while samples:
             sample = samples.popleft()
-            self._histograms[sample.kind].observe(sample.seconds)
+            self._histograms[sample.kind].observe(sample.value)

@@ -79,7 +79,7 @@ def dashboard_exprs() -> list[str]:
 
 
 def test_dashboard_queries_name_only_exported_families() -> None:
-    exported = set(GAUGES) | set(COUNTERS) | {name for name, _ in HISTOGRAMS.values()} | {"llm_request_finished_total"}
+    exported = set(GAUGES) | set(COUNTERS) | {name for name, _, _ in HISTOGRAMS.values()} | {"llm_request_finished_total"}
     used = {name for expr in dashboard_exprs() for name in re.findall(r"\b(llm_[a-z0-9_]+)", expr)}
     used = {re.sub(r"_(bucket|count|sum)$", "", name) for name in used}
     assert used and used <= exported, used - exported

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.core.step_cost import StepCostModel
 from tests.conftest import hf_greedy
 
 MAX_NEW_TOKENS = 24
@@ -145,3 +146,59 @@ def test_requests_joining_mid_flight(model_dir: Path, mixed_prompts, hf_mixed) -
         engine.check_invariants()
     assert max_running > 1
     assert_same_tokens([results[f"r{i}"] for i in range(len(mixed_prompts))], hf_mixed)
+
+
+# Prefill chunks sized to an ITL target by a fixed clock (5 ms a step, 0.25 ms a token, 0.05 us
+# a prefill query-key pair): chunk sizes of no particular multiple that shrink as a prompt goes
+# deeper, short prompts passing long ones, several prompts mid-prefill at once.
+ITL_CLOCK = (0.005, 0.25e-3, 0.0, 0.0, 0.05e-6)
+ITL = dict(itl_target_ms=40.0, long_prefill_token_threshold=64, max_num_partial_prefills=3,
+           min_prefill_chunk_tokens=8)
+ITL_CONFIGS = {
+    "itl_target": dict(block_size=16, num_kv_blocks=512, **ITL),
+    "itl_target_preemption": dict(block_size=16, num_kv_blocks=40, max_num_batched_tokens=96, **ITL),
+    "itl_target+spec": dict(block_size=16, num_kv_blocks=512, **ITL, **SPEC),
+}
+
+
+def recording_steps(engine: Engine) -> list[dict[str, int]]:
+    """The scheduled tokens of every step the engine runs from now on."""
+    steps: list[dict[str, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def record():
+        out = schedule()
+        steps.append(dict(out.num_scheduled_tokens))
+        return out
+
+    engine.scheduler.schedule = record
+    return steps
+
+
+@pytest.mark.parametrize("name", list(ITL_CONFIGS))
+def test_itl_target_chunking_matches_transformers(name: str, model_dir: Path, mixed_prompts, hf_mixed) -> None:
+    config = ITL_CONFIGS[name]
+    engine = Engine(EngineConfig(model=str(model_dir), **config), cost_model=StepCostModel(ITL_CLOCK, learn=False))
+    steps = recording_steps(engine)
+    outputs = engine.generate(mixed_prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    assert_same_tokens([o.token_ids for o in outputs], hf_mixed)
+    engine.check_invariants()
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+    chunks = [n for step in steps for n in step.values() if n > 1]
+    assert any(n % 16 for n in chunks), "every chunk was a multiple of 16: the new chunk shapes were not exercised"
+    assert max(sum(1 for n in step.values() if n > 1) for step in steps) >= 2, "never two prefills in one step"
+    if "preemption" in name:
+        assert engine.stats().num_preemptions > 0
+    assert_speculated(engine, config)
+
+
+def test_itl_target_with_shared_prefix(model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, **ITL),
+                    cost_model=StepCostModel(ITL_CLOCK, learn=False))
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    assert_same_tokens([o.token_ids for o in engine.generate(shared_prefix_prompts, params)], hf_shared)
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    again = engine.generate(shared_prefix_prompts, params)
+    assert_same_tokens([o.token_ids for o in again], hf_shared)
+    assert all(o.num_cached_tokens >= SHARED_PREFIX_LEN // 16 * 16 for o in again)
+    engine.check_invariants()

@@ -1,12 +1,25 @@
 """Iteration-level scheduler: decides, every step, how many tokens each request computes.
 
-Each step: running requests first (decodes and unfinished prefill chunks), then admission
-from the waiting queue, all under a token budget (``max_num_batched_tokens``) and a
-sequence cap (``max_num_seqs``). When KV blocks run out, the lowest-priority,
-latest-arrived running request is preempted by recompute: its blocks are freed, its
-counter reset, and it goes back to the waiting queue (where its early arrival puts it
-near the front). ``batching="static"`` is the naive baseline: a new batch is formed only
-once every request of the previous one has finished.
+Each step, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``):
+
+1. every running decode gets its token;
+2. prefill chunks (unfinished ones, then admissions from the waiting queue) share what is
+   left, ordered by (priority, long?, arrival): a prompt longer than
+   ``long_prefill_token_threshold`` goes after the shorter ones of its priority, and at most
+   ``max_num_partial_prefills`` requests are mid-prefill at a time, at most
+   ``max_long_partial_prefills`` of them long (vLLM's names and meanings), so short prompts
+   pass a long one instead of waiting for its whole prefill;
+3. with ``itl_target_ms`` > 0, each chunk is the largest that keeps the step's predicted time
+   (backend/core/step_cost.py) under the target, so a long prompt no longer freezes the
+   streams decoding beside it; an unfinished prefill still advances by at least
+   ``min_prefill_chunk_tokens`` every step (it is never starved), as does the first
+   admission of a step without any prefill. ``itl_target_ms=0`` is the fixed token budget.
+
+When KV blocks run out, the lowest-priority, latest-arrived running request is preempted by
+recompute: its blocks are freed, its counter reset, and it goes back to the waiting queue
+(where its early arrival puts it near the front). ``batching="static"`` is the naive
+baseline: a new batch is formed only once every request of the previous one has finished.
 
 Speculative decoding (backend/sample/speculative.py) adds a last phase: a decoding request with a
 draft proposal gets its drafts scheduled as extra tokens of its decode, from whatever budget
@@ -25,12 +38,13 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request, RequestStatus
+from backend.core.step_cost import ZERO, Features, StepCostModel, add, row_features, sub
 from backend.sample.speculative import NgramProposer, can_speculate
 
 
@@ -42,6 +56,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # request_id -> draft tokens scheduled after its last token (counted in num_scheduled_tokens)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # What the step computes, as the cost model sees it (backend/core/step_cost.py), and the
+    # model's prediction of its time (None without a cost model).
+    features: Features = ZERO
+    predicted_seconds: float | None = None
 
     @property
     def total_num_tokens(self) -> int:
@@ -85,18 +103,29 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
-                 on_constraint_error: Callable[[Request, Exception], None] | None = None) -> None:
+                 on_constraint_error: Callable[[Request, Exception], None] | None = None,
+                 cost_model: StepCostModel | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         # Called with a waiting request whose constraint could not be built, after it was
         # finished (FINISHED_ERROR), so that its final output reports why.
         self.on_constraint_error = on_constraint_error
+        # The step-time predictor (backend/core/step_cost.py); the engine sets it after its
+        # calibration run. Prefill chunks are sized to it when itl_target_ms > 0.
+        self.cost_model = cost_model
         self.waiting = WaitingQueue(config.scheduling_policy == "priority")
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                        config.num_speculative_tokens)
                          if config.speculative_method == "ngram" else None)
+
+    @property
+    def step_target_seconds(self) -> float | None:
+        """The predicted-time ceiling prefill chunks are sized to, or None (fixed token budget)."""
+        if self.config.itl_target_ms > 0 and self.cost_model is not None:
+            return self.config.itl_target_ms / 1e3
+        return None
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -122,97 +151,183 @@ class Scheduler:
         if self.config.batching == "static" and not self.running:
             self._form_static_batch()
 
-        # 1. Running requests: decodes and unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining > budget and not self.config.enable_chunked_prefill:
-                i += 1  # a whole prefill must fit; later (smaller) requests may still go
-                continue
-            num_new = min(remaining, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
-                victim = max(self.running, key=self.waiting.key)
-                if self.running.index(victim) < i:
-                    i -= 1
-                budget += out.num_scheduled_tokens.pop(victim.request_id, 0)
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                out.num_scheduled_tokens[request.request_id] = num_new
-                budget -= num_new
-                i += 1
+        # 1. Every running decode gets its token (preempting others when blocks run out).
+        partial_prefills: list[Request] = []
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue   # preempted as a victim of an earlier request in this loop
+            if request.num_tokens - request.num_computed_tokens > 1:
+                partial_prefills.append(request)
+            elif budget > 0 and self._allocate_running(request, 1, out):
+                budget -= 1
+        partial_prefills = [r for r in partial_prefills if r.status == RequestStatus.RUNNING]
+        budget = self.config.max_num_batched_tokens - out.total_num_tokens
 
-        # 2. Admission from the waiting queue; not in a step that had to preempt (memory is
-        #    tight), and never mid-batch under static batching.
-        if not out.preempted and self.config.batching == "continuous":
-            budget = self._admit(out, budget)
+        # 2. Prefill chunks: unfinished ones and admissions from the waiting queue (not in a
+        #    step that had to preempt: memory is tight; never mid-batch under static batching).
+        admit = not out.preempted and self.config.batching == "continuous"
+        self._schedule_prefills(out, partial_prefills, admit)
+        budget = self.config.max_num_batched_tokens - out.total_num_tokens
 
         # 3. Drafts, from what is left.
         if self.proposer is not None and len(self.running) <= self.config.speculative_max_batch_size:
             self._schedule_drafts(out, budget)
 
         out.requests = [r for r in self.running if r.request_id in out.num_scheduled_tokens]
+        if self.cost_model is not None:
+            out.predicted_seconds = self.cost_model.predict(out.features)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        not_ready: list[Request] = []
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._peek_ready(not_ready)
-            if request is None:
+    def _row(self, request: Request, num_new: int, num_computed: int | None = None) -> Features:
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        return row_features(num_new, computed, computed + num_new >= request.num_tokens)
+
+    def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.num_scheduled_tokens[request.request_id] = num_new
+        out.features = add(out.features, self._row(request, num_new))
+
+    def _allocate_running(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Room for ``num_new`` more tokens of a running request, preempting the lowest-priority,
+        latest-arrived running requests while blocks are short; False if the request itself
+        had to go. Scheduled on success."""
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = max(self.running, key=self.waiting.key)
+            scheduled = out.num_scheduled_tokens.pop(victim.request_id, 0)
+            if scheduled:
+                out.features = sub(out.features, self._row(victim, scheduled))
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        self._add(out, request, num_new)
+        return True
+
+    def _schedule_prefills(self, out: SchedulerOutput, partial_prefills: list[Request], admit: bool) -> None:
+        """Prefill chunks for this step, in the order (priority, long?, arrival): a prompt
+        longer than ``long_prefill_token_threshold`` comes after shorter ones of its priority,
+        so it never takes a step's whole budget while they wait. At most
+        ``max_num_partial_prefills`` requests prefill at a time, at most
+        ``max_long_partial_prefills`` of them long (static batching: no limits). With an
+        ITL target each chunk is the largest whose step still fits the target; an unfinished
+        prefill always advances by at least ``min_prefill_chunk_tokens``, and so does the first
+        admission of a step that has no prefill yet: nothing starves."""
+        config = self.config
+        limited = config.batching == "continuous"
+        threshold = config.long_prefill_threshold
+        candidates: list[tuple[tuple[int, bool, int], Request, bool]] = []   # (order, request, waiting?)
+        num_long = 0
+        for request in partial_prefills:
+            long = request.num_tokens - request.num_computed_tokens > threshold
+            num_long += long
+            candidates.append((self._order(request, long), request, False))
+        num_prefills = len(partial_prefills)
+        if admit:
+            num_seqs = len(self.running)
+            for request in self._ready_waiting():
+                if num_seqs >= config.max_num_seqs or (limited and num_prefills >= config.max_num_partial_prefills):
+                    break
+                _, num_hit = self.kv_cache.get_computed_blocks(request)
+                long = request.num_tokens - num_hit > threshold
+                if limited and long and num_long >= config.max_long_partial_prefills:
+                    continue   # waits for a long prefill to finish; shorter ones behind it may pass
+                num_seqs += 1
+                num_prefills += 1
+                num_long += long
+                candidates.append((self._order(request, long), request, True))
+        candidates.sort(key=lambda candidate: candidate[0])
+
+        has_prefill = False
+        for _, request, waiting in candidates:
+            budget = config.max_num_batched_tokens - out.total_num_tokens
+            if budget <= 0:
                 break
-            computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            if waiting:
+                if not admit:
+                    continue
+                computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            elif request.status != RequestStatus.RUNNING:
+                continue             # preempted to make room for a request before it
+            else:
+                computed_blocks, num_hit = [], request.num_computed_tokens
             remaining = request.num_tokens - num_hit
-            if remaining > budget and not self.config.enable_chunked_prefill:
-                break  # keep policy order: nothing jumps the queue
-            num_new = min(remaining, budget)
+            if remaining > budget and not config.enable_chunked_prefill:
+                if waiting:
+                    admit = False    # keep policy order: nothing jumps the queue
+                continue             # a whole prefill must fit; later (smaller) requests may still go
+            num_new = self._fit_chunk(request, num_hit, min(remaining, budget), out.features)
+            floor = min(config.min_prefill_chunk_tokens, remaining, budget)
+            if not config.enable_chunked_prefill and num_new < remaining:
+                num_new = remaining if (not waiting or not has_prefill) else 0
+            elif num_new < floor and (not waiting or not has_prefill):
+                num_new = floor      # minimum progress, whatever the target says
+            if num_new < floor:
+                continue             # no time left for it in this step
+            if not waiting:
+                has_prefill |= self._allocate_running(request, num_new, out)
+                continue
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
-                break
-            self.waiting.pop()
+                admit = False        # memory is short: no later admission either
+                continue
+            self.waiting.remove(request)
             self.kv_cache.record_prefix_lookup(request, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
-        self._requeue(not_ready)
-        return budget
+            self._add(out, request, num_new)
+            has_prefill = True
 
-    def _peek_ready(self, not_ready: list[Request]) -> Request | None:
-        """The first waiting request, in policy order, that may be admitted now. Requests
-        whose constraint is still being built are moved to ``not_ready`` (``_requeue`` puts
-        them back, with their keys: their place in the queue is kept)."""
-        while len(self.waiting) > 0:
-            request = self.waiting.peek()
+    def _order(self, request: Request, long: bool) -> tuple[int, bool, int]:
+        priority, arrival = self.waiting.key(request)
+        return (priority, long, arrival)
+
+    def _fit_chunk(self, request: Request, num_computed: int, max_new: int, features: Features) -> int:
+        """The most tokens (<= ``max_new``) this request can compute in a step that already has
+        ``features`` without its predicted time passing the target; 0 when none fits."""
+        target = self.step_target_seconds
+        if target is None:
+            return max_new
+        assert self.cost_model is not None
+
+        def fits(num_new: int) -> bool:
+            return self.cost_model.predict(add(features, self._row(request, num_new, num_computed))) <= target
+
+        if fits(max_new):
+            return max_new
+        low, high = 0, max_new          # fits(low) is assumed (0: nothing added), fits(high) is false
+        while high - low > 1:
+            mid = (low + high) // 2
+            if fits(mid):
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def _ready_waiting(self) -> Iterator[Request]:
+        """Waiting requests that may be admitted now, in policy order. A request whose constraint
+        is still being built is passed over (it keeps its place); one whose build finished gets
+        its constraint installed, or is finished with the error."""
+        for request in list(self.waiting):
             pending = request.pending_constraint
-            if pending is None:
-                return request
-            if not pending.done():
-                not_ready.append(self.waiting.pop())
-                continue
-            request.pending_constraint = None
-            try:
-                request.constraint = pending.result()
-            except Exception as exc:  # noqa: BLE001 - the request's own failure (e.g. its grammar)
-                self.finish_request(request, RequestStatus.FINISHED_ERROR)
-                if self.on_constraint_error is not None:
-                    self.on_constraint_error(request, exc)
-                continue
-            return request
-        return None
-
-    def _requeue(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.waiting.push(request)
+            if pending is not None:
+                if not pending.done():
+                    continue
+                request.pending_constraint = None
+                try:
+                    request.constraint = pending.result()
+                except Exception as exc:  # noqa: BLE001 - the request's own failure (e.g. its grammar)
+                    self.finish_request(request, RequestStatus.FINISHED_ERROR)
+                    if self.on_constraint_error is not None:
+                        self.on_constraint_error(request, exc)
+                    continue
+            yield request
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give decoding requests their n-gram drafts as extra tokens of this step. A draft
-        never goes past the request's max_tokens (the last token is the bonus one), and gets
-        no block that is not free now."""
+        never goes past the request's max_tokens (the last token is the bonus one), gets no
+        block that is not free now, and does not push the step past the ITL target."""
         assert self.proposer is not None
+        target = self.step_target_seconds
         for request in self.running:
             if budget <= 0:
                 return
@@ -225,8 +340,13 @@ class Scheduler:
             drafts = self.proposer.propose(request.token_ids, max_drafts)
             if drafts and request.constraint is not None:   # drafts the constraint rejects cannot be accepted
                 drafts = drafts[:request.constraint.num_valid_drafts(drafts)]
+            without = sub(out.features, self._row(request, 1))
+            while drafts and target is not None and self.cost_model is not None and \
+                    self.cost_model.predict(add(without, self._row(request, 1 + len(drafts)))) > target:
+                drafts = drafts[:-1]
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 out.num_scheduled_tokens[rid] = 1 + len(drafts)
+                out.features = add(without, self._row(request, 1 + len(drafts)))
                 out.spec_token_ids[rid] = drafts
                 budget -= len(drafts)
 
@@ -243,21 +363,18 @@ class Scheduler:
         free KV blocks together (so the batch never preempts), then run them to completion.
         No prefix-cache hits: this is the baseline continuous batching is measured against."""
         reserved = 0
-        not_ready: list[Request] = []
-        while len(self.running) < self.config.max_num_seqs:
-            request = self._peek_ready(not_ready)
-            if request is None:
+        for request in self._ready_waiting():
+            if len(self.running) >= self.config.max_num_seqs:
                 break
             need = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv_cache.block_size)
             if reserved + need > self.kv_cache.num_free_blocks:
                 break
             reserved += need
-            self.waiting.pop()
+            self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = 0
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        self._requeue(not_ready)
 
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Send a running request back to the waiting queue, to be recomputed (also used

@@ -17,7 +17,9 @@ from typing import Any, Sequence
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.request import Request, RequestStatus
+from backend.core.kv_cache_utils import cdiv
 from backend.core.scheduler import Scheduler, SchedulerOutput
+from backend.core.step_cost import StepCostModel
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.validation import Prompt, RequestValidator
 from backend.errors import InvalidRequestError, QueueFullError
@@ -28,8 +30,22 @@ from backend.sample.grammar import GrammarService
 from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
 from backend.worker.model_runner import ModelRunner
+from backend.worker.step_calibration import CalibrationRow, calibrate, calibration_shapes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """One step as the loop's step trace and metrics see it."""
+    number: int
+    measured_s: float                  # Engine.step, schedule to outputs
+    predicted_s: float | None          # the cost model's prediction (None without one)
+    prediction_error: float | None     # |predicted - measured| / measured
+    # request id -> (tokens computed, whether they were prompt tokens); filled only when the
+    # step trace is on (EngineConfig.step_trace_path).
+    rows: dict[str, tuple[int, bool]]
+
 
 @dataclass
 class EngineStats:
@@ -84,7 +100,9 @@ def _eos_token_ids(folder: str, tokenizer: Any) -> frozenset[int]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cost_model: StepCostModel | None = None) -> None:
+        """``cost_model``: the step-time predictor for ``itl_target_ms`` (default: fitted from a
+        calibration run now; tests hand in one with fixed coefficients)."""
         self.config = config
         self.arch = ModelArchitecture.from_folder(config.model)
         self.tokenizer = load_tokenizer(config.model)
@@ -95,15 +113,18 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed)
         self.validator = self.make_validator()
         self.sampler = Sampler(config.seed)
+        # The scheduler's clock when prefill chunks are sized to an ITL target.
+        self.cost_model = cost_model
+        if self.cost_model is None and config.itl_target_ms > 0:
+            self.cost_model = self._calibrate_step_cost()
+        self.scheduler.cost_model = self.cost_model
         self._grammars: GrammarService | None = None   # built on the first structured-output request
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[RequestOutput] = []   # e.g. aborts, reported by the next step()
         self._arrivals = itertools.count()
         self.num_steps = 0
-        # What the last step computed: request id -> (tokens, whether they were prompt tokens).
-        # Kept only for the loop's step trace (EngineConfig.step_trace_path).
-        self.last_step_rows: dict[str, tuple[int, bool]] = {}
+        self.last_step: StepRecord | None = None   # for the loop's step trace and metrics
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
@@ -187,14 +208,14 @@ class Engine:
         If the forward pass or sampling raises, the requests responsible are found and failed
         (finish_reason "error"); the others run again and get the tokens they would have got.
         A failure no single request explains fails every request of the step (not the queue)."""
+        started = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        if self.config.step_trace_path:
-            self.last_step_rows = {r.request_id: (sched.num_scheduled_tokens[r.request_id],
-                                                  r.num_computed_tokens < r.num_prompt_tokens)
-                                   for r in sched.requests}
+        rows = ({r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)
+                 for r in sched.requests} if self.config.step_trace_path else {})
+        failed = False
         # The generators as they were before this step: a failed step may have drawn from some.
         rng = self.sampler.rng_state(sched.requests)
         computed = sched.requests
@@ -203,6 +224,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - isolated below
             logger.warning("engine step failed (%r); isolating the requests responsible", exc)
             computed, sampling, sampled = self._isolate_failure(sched, exc, rng, outputs)
+            failed = True
         for request in computed:
             self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
                                                    request.num_prompt_tokens - request.num_computed_tokens))
@@ -217,7 +239,43 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
                 logger.exception("processing the token of %s failed", request.request_id)
                 outputs.append(self._fail_request(request, exc))
+        measured = time.perf_counter() - started
+        error = None
+        if self.cost_model is not None and not failed:   # a step re-run after a failure says nothing
+            error = self.cost_model.observe(sched.features, measured)
+        self.last_step = StepRecord(self.num_steps, measured, sched.predicted_seconds, error, rows)
         return outputs
+
+    def _calibrate_step_cost(self) -> StepCostModel:
+        """Fit the step cost model from synthetic steps timed now (backend/worker/
+        step_calibration.py): throwaway greedy requests whose K/V go to the first blocks of the
+        cache, which nothing uses yet (nor is any of them in the prefix cache)."""
+        block_size = self.config.block_size
+        max_context = min(self.max_model_len, self.runner.num_blocks * block_size)
+        shapes = calibration_shapes(self.config.max_num_batched_tokens, self.config.max_num_seqs, max_context)
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+
+        def run_step(shape: list[CalibrationRow]) -> None:
+            requests, num_scheduled, block_ids = [], {}, {}
+            for i, row in enumerate(shape):
+                length = row.num_computed + row.num_new + (0 if row.samples else 1)
+                request = Request(request_id=f"calibration-{i}", prompt_token_ids=[0] * length, sampling_params=greedy,
+                                  arrival_seq=-1, arrival_time=0.0, max_tokens=1, eos_token_ids=frozenset())
+                request.num_computed_tokens = row.num_computed
+                requests.append(request)
+                num_scheduled[request.request_id] = row.num_new
+                block_ids[request.request_id] = list(range(cdiv(row.num_computed + row.num_new, block_size)))
+            input_ids, meta, sampling = self.runner.prepare(requests, num_scheduled, block_ids)
+            logits = self.runner.execute(input_ids, meta)
+            if sampling:
+                self.sampler(logits, sampling, [[] for _ in sampling])
+            self.runner.synchronize()
+
+        started = time.perf_counter()
+        model = StepCostModel.fitted(calibrate(run_step, shapes))
+        logger.info("step cost model from %d calibration steps in %.1f s: %s", len(shapes),
+                    time.perf_counter() - started, model.describe())
+        return model
 
     def _count_speculation(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """The counter and blocks of a request that verified drafts: only accepted ones count."""

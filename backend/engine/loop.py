@@ -108,8 +108,9 @@ class _Abort:
 
 @dataclass
 class LatencySample:
-    kind: str        # "ttft" | "itl" | "e2e" | "step" (one engine iteration)
-    seconds: float
+    kind: str        # "ttft" | "itl" | "e2e" | "step" (one engine iteration), in seconds;
+                     # "step_prediction_error": |predicted - measured| / measured of a step's time
+    value: float
 
 
 class EngineLoop:
@@ -261,8 +262,12 @@ class EngineLoop:
             nothing_ran = self.engine.num_steps == steps_before and not outputs
             if not nothing_ran:
                 self.latency_samples.append(LatencySample("step", time.monotonic() - started))
-            if self.engine.num_steps != steps_before and self.engine.config.step_trace_path:
-                self._trace_step(started, time.monotonic() - started)
+            if self.engine.num_steps != steps_before:
+                record = self.engine.last_step
+                if record is not None and record.prediction_error is not None:
+                    self.latency_samples.append(LatencySample("step_prediction_error", record.prediction_error))
+                if self.engine.config.step_trace_path:
+                    self._trace_step(started, time.monotonic() - started)
             self._deliver(outputs)
             self.stats = self.engine.stats()
             if nothing_ran:
@@ -274,13 +279,19 @@ class EngineLoop:
                 self._last_trim = time.monotonic()
 
     def _trace_step(self, started: float, seconds: float) -> None:
-        """One JSON line per step: its number, start (monotonic s), duration (ms) and rows
-        ``[request id, tokens, prefill?]`` (loadtest/slots.py draws the slot timeline from it)."""
+        """One JSON line per step: its number, start (monotonic s), duration of the loop
+        iteration (ms), the engine step's own measured and predicted time (ms; predicted null
+        without a cost model) and rows ``[request id, tokens, prefill?]`` (loadtest/slots.py
+        draws the slot timeline from it, loadtest/step_records.py the chunk sizes and errors)."""
         if self._step_trace is None:
             self._step_trace = open(self.engine.config.step_trace_path, "a", buffering=1)
-        rows = [[request_id, tokens, prefill] for request_id, (tokens, prefill) in self.engine.last_step_rows.items()]
+        record = self.engine.last_step
+        assert record is not None
+        rows = [[request_id, tokens, prefill] for request_id, (tokens, prefill) in record.rows.items()]
+        predicted = None if record.predicted_s is None else round(record.predicted_s * 1e3, 3)
         self._step_trace.write(json.dumps({"step": self.engine.num_steps, "t": round(started, 6),
-                                           "ms": round(seconds * 1e3, 3), "rows": rows}) + "\n")
+                                           "ms": round(seconds * 1e3, 3), "engine_ms": round(record.measured_s * 1e3, 3),
+                                           "predicted_ms": predicted, "rows": rows}) + "\n")
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):

@@ -253,6 +253,11 @@ class ModelRunner:
             max_query_len=max_query_len, max_seq_len=max_seq_len)
         return buf.input_ids[:token], meta, sampling
 
+    def synchronize(self) -> None:
+        """Wait for the device to finish what was queued (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Float32 logits, one row per sampling request. Decode-only steps (one token per

@@ -1,0 +1,131 @@
+"""The scheduler's clock: a step's time predicted from what it computes.
+
+A step's time is close to linear in five features of its composition (``FEATURES``):
+
+- ``step``: 1 per step. Scheduling, packing, launching; reading every weight once, which is
+  what a small decode step mostly costs.
+- ``tokens``: tokens computed. Every token goes through every linear layer.
+- ``sampled``: rows that produce a token. The LM head and the sampler run per row.
+- ``decode_context``: over rows computing one token, the context each reads (its position + 1).
+  Decode attention streams each row's K/V pages: memory-bound, cost per key.
+- ``prefill_pairs``: over rows computing several tokens (prefill chunks, draft verification),
+  the query-key pairs of their attention: ``n * (p + (n + 1) / 2)`` for ``n`` tokens after ``p``
+  cached ones. This is the term that grows as a long prompt's chunks move deeper into it.
+
+The coefficients (seconds per unit) are fitted by least squares on relative error (each sample
+weighted by 1 / its measured time, so a 20 ms decode step counts as much as a 400 ms prefill),
+constrained to be non-negative. They are fitted first from a calibration run at start-up
+(backend/worker/step_calibration.py) and refitted every ``REFIT_EVERY`` steps from the engine's
+own step timings (the calibration samples stay in, so shapes the traffic has not shown yet
+keep their anchor). With fixed coefficients and no observations, the model is what scheduler
+tests use as a fake clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("step", "tokens", "sampled", "decode_context", "prefill_pairs")
+NUM_FEATURES = len(FEATURES)
+# Refit after this many observed steps, over the calibration samples and the last WINDOW steps.
+REFIT_EVERY = 64
+WINDOW = 1024
+
+Features = tuple[float, float, float, float, float]
+ZERO: Features = (0.0,) * NUM_FEATURES
+
+
+def row_features(num_new: int, num_computed: int, samples: bool) -> Features:
+    """The features one row adds to a step: ``num_new`` tokens computed after ``num_computed``
+    cached ones, producing a token or not (a prefill chunk that does not reach the end)."""
+    if num_new == 1:
+        return (0.0, 1.0, float(samples), float(num_computed + 1), 0.0)
+    pairs = num_new * (num_computed + (num_new + 1) / 2)
+    return (0.0, float(num_new), float(samples), 0.0, pairs)
+
+
+def add(a: Features, b: Features) -> Features:
+    return tuple(x + y for x, y in zip(a, b))  # type: ignore[return-value]
+
+
+def sub(a: Features, b: Features) -> Features:
+    return tuple(x - y for x, y in zip(a, b))  # type: ignore[return-value]
+
+
+@dataclass
+class Sample:
+    features: Features       # with step = 1
+    seconds: float
+
+
+def fit_nonnegative(samples: list[Sample]) -> np.ndarray:
+    """Coefficients >= 0 minimising the sum of squared relative errors. With five features,
+    every subset of them is tried (an exact non-negative least squares for this size): the
+    best subset whose unconstrained fit has no negative coefficient wins."""
+    x = np.array([s.features for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    weights = 1.0 / np.maximum(y, 1e-6)
+    xw, yw = x * weights[:, None], y * weights
+    scale = np.maximum(np.abs(xw).max(axis=0), 1e-12)   # columns of very different magnitudes
+    best, best_residual = np.zeros(NUM_FEATURES), float(np.sum(yw**2))
+    for size in range(1, NUM_FEATURES + 1):
+        for subset in itertools.combinations(range(NUM_FEATURES), size):
+            cols = list(subset)
+            solution, *_ = np.linalg.lstsq(xw[:, cols] / scale[cols], yw, rcond=None)
+            if np.any(solution < 0):
+                continue
+            coef = np.zeros(NUM_FEATURES)
+            coef[cols] = solution / scale[cols]
+            residual = float(np.sum((xw @ coef - yw) ** 2))
+            if residual < best_residual:
+                best, best_residual = coef, residual
+    return best
+
+
+class StepCostModel:
+    """Predicts a step's seconds from its features; learns from observed steps."""
+
+    def __init__(self, coefficients: Features | list[float], calibration: list[Sample] | None = None,
+                 learn: bool = True) -> None:
+        """``learn=False`` keeps the coefficients fixed (a fake clock for tests)."""
+        self.coefficients = np.asarray(coefficients, dtype=np.float64)
+        assert self.coefficients.shape == (NUM_FEATURES,)
+        self.calibration = list(calibration or [])
+        self.learn = learn
+        self.window: deque[Sample] = deque(maxlen=WINDOW)
+        self._since_refit = 0
+        self.num_refits = 0
+
+    @classmethod
+    def fitted(cls, calibration: list[Sample]) -> "StepCostModel":
+        return cls(fit_nonnegative(calibration), calibration)
+
+    def predict(self, features: Features) -> float:
+        """Seconds for a step with these features (``step`` = 1 is added here)."""
+        c = self.coefficients
+        return float(c[0] + c[1] * features[1] + c[2] * features[2] + c[3] * features[3] + c[4] * features[4])
+
+    def observe(self, features: Features, seconds: float) -> float:
+        """Record a measured step; returns the relative error of its prediction
+        (|predicted - measured| / measured) made before this observation."""
+        error = abs(self.predict(features) - seconds) / max(seconds, 1e-9)
+        self.window.append(Sample((1.0, *features[1:]), seconds))
+        self._since_refit += 1
+        if self.learn and self._since_refit >= REFIT_EVERY:
+            self.refit()
+        return error
+
+    def refit(self) -> None:
+        self._since_refit = 0
+        self.coefficients = fit_nonnegative(self.calibration + list(self.window))
+        self.num_refits += 1
+
+    def describe(self) -> str:
+        units = {"step": ("ms", 1e3), "tokens": ("us/token", 1e6), "sampled": ("us/row", 1e6),
+                 "decode_context": ("ns/key", 1e9), "prefill_pairs": ("ns/pair", 1e9)}
+        return ", ".join(f"{name} {value * units[name][1]:.3g} {units[name][0]}"
+                         for name, value in zip(FEATURES, self.coefficients))

@@ -1,0 +1,97 @@
+"""The step cost model: its features, its fit, its online refit, and the calibration shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.core import step_cost
+from backend.core.step_cost import Sample, StepCostModel, fit_nonnegative, row_features
+from backend.worker.step_calibration import calibrate, calibration_shapes, features_of
+
+TRUE = (0.012, 250e-6, 40e-6, 900e-9, 530e-9)   # the fit on the 2-core EPYC, bfloat16
+
+
+def random_steps(rng: random.Random, count: int) -> list[tuple[float, ...]]:
+    steps = []
+    for _ in range(count):
+        features = step_cost.ZERO
+        for _ in range(rng.randrange(0, 16)):
+            features = step_cost.add(features, row_features(1, rng.randrange(1, 4000), True))
+        for _ in range(rng.randrange(0, 3)):
+            features = step_cost.add(features, row_features(rng.randrange(2, 512), rng.randrange(0, 3000),
+                                                            rng.random() < 0.5))
+        steps.append((1.0, *features[1:]))
+    return steps
+
+
+def true_seconds(features, coefficients=TRUE) -> float:
+    return sum(c * x for c, x in zip(coefficients, features))
+
+
+def test_row_features() -> None:
+    assert row_features(1, 99, True) == (0, 1, 1, 100, 0)           # a decode reads 100 keys
+    assert row_features(4, 10, False) == (0, 4, 0, 0, 4 * 10 + 10)  # 4 queries x 10 cached + 4*5/2 causal
+
+
+def test_fit_recovers_the_coefficients() -> None:
+    samples = [Sample(f, true_seconds(f)) for f in random_steps(random.Random(0), 60)]
+    assert fit_nonnegative(samples) == pytest.approx(TRUE, rel=1e-6)
+
+
+def test_fit_is_nonnegative_and_relative() -> None:
+    # No per-row cost in truth, and noise of +-10%: no coefficient goes negative, and the fit
+    # predicts short steps as well as long ones (relative error, not absolute).
+    truth = (0.012, 250e-6, 0.0, 900e-9, 530e-9)
+    rng = random.Random(1)
+    samples = [Sample(f, true_seconds(f, truth) * rng.uniform(0.9, 1.1)) for f in random_steps(rng, 200)]
+    coefficients = fit_nonnegative(samples)
+    assert (coefficients >= 0).all()
+    model = StepCostModel(coefficients)
+    errors = sorted(abs(model.predict(s.features) - true_seconds(s.features, truth)) / true_seconds(s.features, truth)
+                    for s in samples)
+    assert errors[len(errors) // 2] < 0.05 and errors[-1] < 0.2
+
+
+def test_observed_steps_refit_the_model() -> None:
+    # Calibrated on a fast machine, then every step runs twice as slow (a noisy neighbour): the
+    # refits follow the measurements.
+    rng = random.Random(2)
+    calibration = [Sample(f, true_seconds(f)) for f in random_steps(rng, 15)]
+    model = StepCostModel.fitted(calibration)
+    slow = tuple(2 * c for c in TRUE)
+    errors = [model.observe((0.0, *f[1:]), true_seconds(f, slow)) for f in random_steps(rng, 8 * step_cost.REFIT_EVERY)]
+    assert model.num_refits == 8
+    assert sum(errors[:step_cost.REFIT_EVERY]) / step_cost.REFIT_EVERY > 0.45     # 2x off before
+    assert sum(errors[-step_cost.REFIT_EVERY:]) / step_cost.REFIT_EVERY < 0.1
+
+
+def test_a_fixed_clock_never_learns() -> None:
+    model = StepCostModel(TRUE, learn=False)
+    for f in random_steps(random.Random(3), 2 * step_cost.REFIT_EVERY):
+        model.observe((0.0, *f[1:]), 1.0)
+    assert model.num_refits == 0 and tuple(model.coefficients) == TRUE
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs,max_context", [(512, 64, 8192), (48, 8, 8192), (16, 2, 64), (512, 64, 300)])
+def test_calibration_shapes_stay_within_the_limits(max_tokens: int, max_seqs: int, max_context: int) -> None:
+    shapes = calibration_shapes(max_tokens, max_seqs, max_context)
+    assert len(shapes) >= 6
+    for shape in shapes:
+        assert sum(row.num_new for row in shape) <= max_tokens
+        assert len(shape) <= max_seqs
+        assert all(row.num_computed + row.num_new + (not row.samples) <= max_context for row in shape)
+    # Decode rows, prefill pairs and plain tokens all vary, so the fit can tell them apart.
+    features = [features_of(shape) for shape in shapes]
+    for column in (1, 2, 3, 4):
+        assert len({f[column] for f in features}) >= 2
+
+
+def test_calibrate_times_every_shape_once_after_warmup() -> None:
+    shapes = calibration_shapes(64, 8, 512)
+    ran = []
+    samples = calibrate(ran.append, shapes, warmup=2)
+    assert ran == shapes[:2] + shapes
+    assert [s.features for s in samples] == [features_of(shape) for shape in shapes]
+    assert all(s.seconds >= 0 for s in samples)
