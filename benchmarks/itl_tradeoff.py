@@ -82,6 +82,7 @@ def plot(rows: list[dict[str, Any]], path: Path, machine: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    rows = sorted(rows, key=lambda r: r["chat_itl_p99_ms"])
     xs = [r["chat_itl_p99_ms"] for r in rows]
     ys = [r["long_ttft_p50_ms"] / 1e3 for r in rows]
     ax.plot(xs, ys, "o-", color="tab:blue")
@@ -109,8 +110,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = p.parse_args(argv)
     parent = args.run_dir or ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S-itl-tradeoff")
     rows = [measure(float(t), args, parent) for t in args.targets.split(",")]
-    cpu = cpu_info()
-    machine = f"{cpu['cpu_model']}, {cpu['cpu_cores']} cores"
+    from backend.model.cpu_features import detect
+
+    cpu = {**cpu_info(), "cpu_isa": detect().describe()}
+    machine = f"{cpu['cpu_model']}, {cpu['cpu_cores']} cores, {cpu['cpu_isa']}"
     print(f"host CPU: {machine}")
     print(table(rows))
     if args.plot:

@@ -181,20 +181,53 @@ def test_prefix_hit_counts_toward_the_chunk_and_preemption_still_frees_room() ->
 
 
 def test_a_prefill_preempted_for_an_earlier_one_in_the_step_is_skipped() -> None:
-    # Two prompts mid-prefill, each advancing by the minimum (8 tokens = 2 blocks) a step. When
-    # blocks run out, the high-priority one's chunk preempts the low-priority one, which comes
-    # later in the step's order: it must be skipped, not given blocks while it waits.
-    s = scheduler(clock(step_ms=150), scheduling_policy="priority", num_blocks=10)
+    # Beside a decoding stream, two prompts mid-prefill, each advancing by the minimum (8 tokens
+    # = 2 blocks) a step. When blocks run out, the high-priority one's chunk preempts the
+    # low-priority one, which comes later in the step's order: it must be skipped, not given
+    # blocks while it waits.
+    s = scheduler(clock(step_ms=150), scheduling_policy="priority", num_blocks=13)
+    [stream] = decoding(s, 1)
     low = make_request(40, priority=10)
     s.add_request(low)
-    finish_step(s, s.schedule())
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {stream.request_id: 1, low.request_id: 8}
+    finish_step(s, out)
     high = make_request(40, priority=0)
     s.add_request(high)
     out = s.schedule()
-    assert out.num_scheduled_tokens == {high.request_id: 8, low.request_id: 8}
+    assert out.num_scheduled_tokens == {stream.request_id: 1, high.request_id: 8, low.request_id: 8}
     finish_step(s, out)
-    finish_step(s, s.schedule())                                   # 10 of 10 blocks in use
+    finish_step(s, s.schedule())                                   # 12 of 13 blocks in use
     out = s.schedule()
-    assert out.preempted == [low] and out.num_scheduled_tokens == {high.request_id: 8}
+    assert out.preempted == [low] and out.num_scheduled_tokens == {stream.request_id: 1, high.request_id: 8}
     assert low.status == RequestStatus.WAITING and not s.kv_cache.blocks_of(low.request_id)
     s.kv_cache.check_invariants({r.request_id: r for r in s.running})
+
+
+def test_without_decodes_a_prefill_takes_the_whole_budget() -> None:
+    # The target protects generating streams; a prompt alone is not slowed down by it.
+    s = scheduler(clock())
+    long = make_request(2000)
+    s.add_request(long)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {long.request_id: 512}
+    finish_step(s, out)
+    decodes = decoding(s, 1)          # a stream starts: the next chunk fits the 100 ms target again
+    out = s.schedule()
+    assert out.num_scheduled_tokens[long.request_id] == 100 - 10 - 1
+    assert out.num_scheduled_tokens[decodes[0].request_id] == 1
+
+
+def test_a_short_prompt_leaves_the_long_ones_minimum_inside_the_target() -> None:
+    s = scheduler(clock(), long_prefill_token_threshold=100)
+    decodes = decoding(s, 4)
+    long = make_request(500)
+    s.add_request(long)
+    finish_step(s, s.schedule())                      # 86 tokens of it (as above)
+    short = make_request(90)
+    s.add_request(short)
+    out = s.schedule()
+    # 10 ms + 4 decodes + 78 of the short + the long's minimum 8 = 100 ms, not 108.
+    assert out.num_scheduled_tokens == {**{d.request_id: 1 for d in decodes}, short.request_id: 78,
+                                        long.request_id: 8}
+    assert out.predicted_seconds == pytest.approx(0.100)

@@ -10,9 +10,10 @@ Each step, under a token budget (``max_num_batched_tokens``) and a sequence cap
    ``max_num_partial_prefills`` requests are mid-prefill at a time, at most
    ``max_long_partial_prefills`` of them long (vLLM's names and meanings), so short prompts
    pass a long one instead of waiting for its whole prefill;
-3. with ``itl_target_ms`` > 0, each chunk is the largest that keeps the step's predicted time
-   (backend/core/step_cost.py) under the target, so a long prompt no longer freezes the
-   streams decoding beside it; an unfinished prefill still advances by at least
+3. with ``itl_target_ms`` > 0 and streams decoding, each chunk is the largest that keeps the
+   step's predicted time (backend/core/step_cost.py) under the target, so a long prompt no
+   longer freezes the streams decoding beside it (a step without decodes has no inter-token
+   latency to protect and uses the whole budget); an unfinished prefill still advances by at least
    ``min_prefill_chunk_tokens`` every step (it is never starved), as does the first
    admission of a step without any prefill. ``itl_target_ms=0`` is the fixed token budget.
 
@@ -166,7 +167,10 @@ class Scheduler:
         # 2. Prefill chunks: unfinished ones and admissions from the waiting queue (not in a
         #    step that had to preempt: memory is tight; never mid-batch under static batching).
         admit = not out.preempted and self.config.batching == "continuous"
-        self._schedule_prefills(out, partial_prefills, admit)
+        # The ITL target protects streams that are generating: a step without a decode has no
+        # inter-token latency to keep, and its prefill takes the whole token budget.
+        target = self.step_target_seconds if out.num_scheduled_tokens else None
+        self._schedule_prefills(out, partial_prefills, admit, target)
         budget = self.config.max_num_batched_tokens - out.total_num_tokens
 
         # 3. Drafts, from what is left.
@@ -201,13 +205,14 @@ class Scheduler:
         self._add(out, request, num_new)
         return True
 
-    def _schedule_prefills(self, out: SchedulerOutput, partial_prefills: list[Request], admit: bool) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput, partial_prefills: list[Request], admit: bool,
+                           target: float | None) -> None:
         """Prefill chunks for this step, in the order (priority, long?, arrival): a prompt
         longer than ``long_prefill_token_threshold`` comes after shorter ones of its priority,
         so it never takes a step's whole budget while they wait. At most
         ``max_num_partial_prefills`` requests prefill at a time, at most
-        ``max_long_partial_prefills`` of them long (static batching: no limits). With an
-        ITL target each chunk is the largest whose step still fits the target; an unfinished
+        ``max_long_partial_prefills`` of them long (static batching: no limits). With a
+        ``target`` (seconds) each chunk is the largest whose step still fits it; an unfinished
         prefill always advances by at least ``min_prefill_chunk_tokens``, and so does the first
         admission of a step that has no prefill yet: nothing starves."""
         config = self.config
@@ -235,8 +240,18 @@ class Scheduler:
                 candidates.append((self._order(request, long), request, True))
         candidates.sort(key=lambda candidate: candidate[0])
 
+        # The minimum chunks the unfinished prefills will take whatever the target says, held
+        # back from what the requests before them in the order may use, so that a short prompt
+        # passing a long one does not push the step past the target by the long one's minimum.
+        minimum = {r.request_id: self._row(r, min(config.min_prefill_chunk_tokens,
+                                                  r.num_tokens - r.num_computed_tokens)) for r in partial_prefills}
+        held_back = ZERO
+        for row in minimum.values():
+            held_back = add(held_back, row)
         has_prefill = False
         for _, request, waiting in candidates:
+            if not waiting:
+                held_back = sub(held_back, minimum[request.request_id])
             budget = config.max_num_batched_tokens - out.total_num_tokens
             if budget <= 0:
                 break
@@ -253,7 +268,7 @@ class Scheduler:
                 if waiting:
                     admit = False    # keep policy order: nothing jumps the queue
                 continue             # a whole prefill must fit; later (smaller) requests may still go
-            num_new = self._fit_chunk(request, num_hit, min(remaining, budget), out.features)
+            num_new = self._fit_chunk(request, num_hit, min(remaining, budget), add(out.features, held_back), target)
             floor = min(config.min_prefill_chunk_tokens, remaining, budget)
             if not config.enable_chunked_prefill and num_new < remaining:
                 num_new = remaining if (not waiting or not has_prefill) else 0
@@ -281,10 +296,10 @@ class Scheduler:
         priority, arrival = self.waiting.key(request)
         return (priority, long, arrival)
 
-    def _fit_chunk(self, request: Request, num_computed: int, max_new: int, features: Features) -> int:
+    def _fit_chunk(self, request: Request, num_computed: int, max_new: int, features: Features,
+                   target: float | None) -> int:
         """The most tokens (<= ``max_new``) this request can compute in a step that already has
-        ``features`` without its predicted time passing the target; 0 when none fits."""
-        target = self.step_target_seconds
+        ``features`` without its predicted time passing ``target``; 0 when none fits."""
         if target is None:
             return max_new
         assert self.cost_model is not None

@@ -104,6 +104,9 @@ class TritonPythonModel:
         self.loop = EngineLoop(self.engine).start()
         print(f"llm: weights and KV cache in {self.engine.runner.dtype_choice}", file=sys.stderr, flush=True)
         print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
+        if self.engine.cost_model is not None:
+            print(f"llm: prefill chunks sized to itl_target_ms={config.itl_target_ms:g} by the step cost model "
+                  f"({self.engine.cost_model.describe()})", file=sys.stderr, flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
         self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
         # The launcher's supervisor restarts the server when the stub dies and says how often.
@@ -351,6 +354,11 @@ class TritonPythonModel:
         self.loop.stop()            # every open stream gets its final ("abort") output
         self._outbox.put(None)      # ...which the sender flushes before it exits
         self._sender.join(30)
+        # Metric families released now, while the stub can still write to Triton's shared
+        # memory: left to the stub's own teardown, their destructors ran after it had gone
+        # and the stub segfaulted on every shutdown (after the drain; no request was affected).
+        if not self._sender.is_alive() and not self._poller.is_alive():
+            self.metrics = None
 
 
 def _coalesce(items: list[tuple[_Stream, Result]]) -> list[tuple[_Stream, Result]]:
