@@ -13,7 +13,7 @@ from tests.test_scheduler import finish_step, make_request, make_scheduler
 def clock(step_ms: float = 10.0, token_ms: float = 1.0, pair_us: float = 0.0) -> StepCostModel:
     """A fixed clock: ``step_ms`` per step + ``token_ms`` per token + ``pair_us`` per prefill
     query-key pair."""
-    return StepCostModel((step_ms / 1e3, token_ms / 1e3, 0.0, 0.0, pair_us / 1e6), learn=False)
+    return StepCostModel((step_ms / 1e3, token_ms / 1e3, 0.0, 0.0, pair_us / 1e6, 0.0), learn=False)
 
 
 def scheduler(cost: StepCostModel | None = None, **overrides):

@@ -151,7 +151,7 @@ def test_requests_joining_mid_flight(model_dir: Path, mixed_prompts, hf_mixed) -
 # Prefill chunks sized to an ITL target by a fixed clock (5 ms a step, 0.25 ms a token, 0.05 us
 # a prefill query-key pair): chunk sizes of no particular multiple that shrink as a prompt goes
 # deeper, short prompts passing long ones, several prompts mid-prefill at once.
-ITL_CLOCK = (0.005, 0.25e-3, 0.0, 0.0, 0.05e-6)
+ITL_CLOCK = (0.005, 0.25e-3, 0.0, 0.0, 0.05e-6, 0.0)
 ITL = dict(itl_target_ms=40.0, long_prefill_token_threshold=64, max_num_partial_prefills=3,
            min_prefill_chunk_tokens=8)
 ITL_CONFIGS = {

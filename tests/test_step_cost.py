@@ -10,7 +10,7 @@ from backend.core import step_cost
 from backend.core.step_cost import Sample, StepCostModel, fit_nonnegative, row_features
 from backend.worker.step_calibration import calibrate, calibration_shapes, features_of
 
-TRUE = (0.012, 250e-6, 40e-6, 900e-9, 530e-9)   # the fit on the 2-core EPYC, bfloat16
+TRUE = (0.012, 250e-6, 40e-6, 900e-9, 530e-9, 2e-6)   # a fit on the 2-core EPYC, bfloat16
 
 
 def random_steps(rng: random.Random, count: int) -> list[tuple[float, ...]]:
@@ -31,8 +31,9 @@ def true_seconds(features, coefficients=TRUE) -> float:
 
 
 def test_row_features() -> None:
-    assert row_features(1, 99, True) == (0, 1, 1, 100, 0)           # a decode reads 100 keys
-    assert row_features(4, 10, False) == (0, 4, 0, 0, 4 * 10 + 10)  # 4 queries x 10 cached + 4*5/2 causal
+    assert row_features(1, 99, True) == (0, 1, 1, 100, 0, 0)             # a decode reads 100 keys
+    assert row_features(4, 10, False) == (0, 4, 0, 0, 4 * 10 + 10, 14)   # 4 queries x 10 cached + 4*5/2 causal,
+                                                                          # over a context of 14
 
 
 def test_fit_recovers_the_coefficients() -> None:
@@ -43,7 +44,7 @@ def test_fit_recovers_the_coefficients() -> None:
 def test_fit_is_nonnegative_and_relative() -> None:
     # No per-row cost in truth, and noise of +-10%: no coefficient goes negative, and the fit
     # predicts short steps as well as long ones (relative error, not absolute).
-    truth = (0.012, 250e-6, 0.0, 900e-9, 530e-9)
+    truth = (0.012, 250e-6, 0.0, 900e-9, 530e-9, 2e-6)
     rng = random.Random(1)
     samples = [Sample(f, true_seconds(f, truth) * rng.uniform(0.9, 1.1)) for f in random_steps(rng, 200)]
     coefficients = fit_nonnegative(samples)
@@ -84,7 +85,7 @@ def test_calibration_shapes_stay_within_the_limits(max_tokens: int, max_seqs: in
         assert all(row.num_computed + row.num_new + (not row.samples) <= max_context for row in shape)
     # Decode rows, prefill pairs and plain tokens all vary, so the fit can tell them apart.
     features = [features_of(shape) for shape in shapes]
-    for column in (1, 2, 3, 4):
+    for column in (1, 2, 3, 4, 5):
         assert len({f[column] for f in features}) >= 2
 
 

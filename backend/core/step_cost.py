@@ -1,6 +1,6 @@
 """The scheduler's clock: a step's time predicted from what it computes.
 
-A step's time is close to linear in five features of its composition (``FEATURES``):
+A step's time is close to linear in six features of its composition (``FEATURES``):
 
 - ``step``: 1 per step. Scheduling, packing, launching; reading every weight once, which is
   what a small decode step mostly costs.
@@ -11,6 +11,10 @@ A step's time is close to linear in five features of its composition (``FEATURES
 - ``prefill_pairs``: over rows computing several tokens (prefill chunks, draft verification),
   the query-key pairs of their attention: ``n * (p + (n + 1) / 2)`` for ``n`` tokens after ``p``
   cached ones. This is the term that grows as a long prompt's chunks move deeper into it.
+- ``prefill_context``: over the same rows, the context they attend to, ``p + n``: what a chunk
+  pays for streaming its K/V pages whatever its size. Measured on the 2-core EPYC, a 32-token
+  chunk 3,000 tokens deep costs ~30% more per pair than a 256-token one (its K/V no longer
+  fit the core's L2 and few queries share each load); 1,000 deep they cost the same.
 
 The coefficients (seconds per unit) are fitted by least squares on relative error (each sample
 weighted by 1 / its measured time, so a 20 ms decode step counts as much as a 400 ms prefill),
@@ -29,13 +33,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("step", "tokens", "sampled", "decode_context", "prefill_pairs")
+FEATURES = ("step", "tokens", "sampled", "decode_context", "prefill_pairs", "prefill_context")
 NUM_FEATURES = len(FEATURES)
 # Refit after this many observed steps, over the calibration samples and the last WINDOW steps.
 REFIT_EVERY = 64
 WINDOW = 1024
 
-Features = tuple[float, float, float, float, float]
+Features = tuple[float, ...]   # NUM_FEATURES values, in FEATURES order
 ZERO: Features = (0.0,) * NUM_FEATURES
 
 
@@ -43,9 +47,9 @@ def row_features(num_new: int, num_computed: int, samples: bool) -> Features:
     """The features one row adds to a step: ``num_new`` tokens computed after ``num_computed``
     cached ones, producing a token or not (a prefill chunk that does not reach the end)."""
     if num_new == 1:
-        return (0.0, 1.0, float(samples), float(num_computed + 1), 0.0)
+        return (0.0, 1.0, float(samples), float(num_computed + 1), 0.0, 0.0)
     pairs = num_new * (num_computed + (num_new + 1) / 2)
-    return (0.0, float(num_new), float(samples), 0.0, pairs)
+    return (0.0, float(num_new), float(samples), 0.0, pairs, float(num_computed + num_new))
 
 
 def add(a: Features, b: Features) -> Features:
@@ -63,7 +67,7 @@ class Sample:
 
 
 def fit_nonnegative(samples: list[Sample]) -> np.ndarray:
-    """Coefficients >= 0 minimising the sum of squared relative errors. With five features,
+    """Coefficients >= 0 minimising the sum of squared relative errors. With six features,
     every subset of them is tried (an exact non-negative least squares for this size): the
     best subset whose unconstrained fit has no negative coefficient wins."""
     x = np.array([s.features for s in samples], dtype=np.float64)
@@ -107,7 +111,8 @@ class StepCostModel:
     def predict(self, features: Features) -> float:
         """Seconds for a step with these features (``step`` = 1 is added here)."""
         c = self.coefficients
-        return float(c[0] + c[1] * features[1] + c[2] * features[2] + c[3] * features[3] + c[4] * features[4])
+        return float(c[0] + c[1] * features[1] + c[2] * features[2] + c[3] * features[3] + c[4] * features[4]
+                     + c[5] * features[5])
 
     def observe(self, features: Features, seconds: float) -> float:
         """Record a measured step; returns the relative error of its prediction
@@ -126,6 +131,7 @@ class StepCostModel:
 
     def describe(self) -> str:
         units = {"step": ("ms", 1e3), "tokens": ("us/token", 1e6), "sampled": ("us/row", 1e6),
-                 "decode_context": ("ns/key", 1e9), "prefill_pairs": ("ns/pair", 1e9)}
+                 "decode_context": ("ns/key", 1e9), "prefill_pairs": ("ns/pair", 1e9),
+                 "prefill_context": ("us/key", 1e6)}
         return ", ".join(f"{name} {value * units[name][1]:.3g} {units[name][0]}"
                          for name, value in zip(FEATURES, self.coefficients))

@@ -41,7 +41,7 @@ def calibration_shapes(max_tokens: int, max_seqs: int, max_context: int) -> list
             shapes.append([CalibrationRow(1, depth - 1, True)] * rows)
     # Prefill chunks at several depths: small chunks go deep (cheap, and they pin down the
     # attention term), large ones stay shallower (their time grows fastest with depth).
-    for chunk, prefixes in ((64, (0, 1024, 3072)), (256, (0, 1024)), (max_tokens, (0, 1024))):
+    for chunk, prefixes in ((32, (3072,)), (64, (0, 1024, 3072)), (256, (0, 1024)), (max_tokens, (0, 1024))):
         chunk = min(chunk, max_tokens, max_context)
         for prefix in prefixes:
             prefix = max(0, min(prefix, max_context - chunk))
