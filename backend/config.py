@@ -28,7 +28,7 @@ class EngineConfig:
                                                # that activations + KV may take (KV gets the rest)
     max_num_seqs: int = 64                     # running requests per step
     max_num_batched_tokens: int = 512          # token budget per step (prefill chunks + decodes)
-    itl_target_ms: float = 100.0               # prefill chunks sized so each step's predicted time stays
+    itl_target_ms: float = 150.0               # prefill chunks sized so each step's predicted time stays
                                                # under this (backend/core/step_cost.py); 0 = fixed token budget
     min_prefill_chunk_tokens: int = 32         # an unfinished prefill advances at least this much per step
     long_prefill_token_threshold: int = 0      # prompts longer than this are "long" (after shorter ones in a

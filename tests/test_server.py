@@ -339,6 +339,9 @@ def test_metrics_families_after_traffic(server: TritonServer, client: LLMClient)
         f"llm_e2e_request_latency_seconds_count{labels}", 0) + 1
     # Every generated token but the first of each request is one inter-token gap.
     assert after[f"llm_inter_token_latency_seconds_count{labels}"] >= 9
+    # The default itl_target_ms sizes chunks by the step cost model: each step's prediction error.
+    assert after[f"llm_step_time_prediction_error_ratio_count{labels}"] >= before.get(
+        f"llm_step_time_prediction_error_ratio_count{labels}", 0) + 1
     assert after[f"llm_prompt_tokens_total{labels}"] >= completion.num_input_tokens
     total = after[f"llm_kv_blocks_total{labels}"]
     assert after['nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="llm",version="1"}'] == total
