@@ -7,6 +7,7 @@ They map one-to-one onto Triton error codes in the serving layer:
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 
@@ -28,10 +29,19 @@ class ShuttingDownError(RuntimeError):
     """The server is draining (shutdown or model unload): no new requests; retry elsewhere."""
 
 
+def _shallow_repr(limit: int) -> reprlib.Repr:
+    shallow = reprlib.Repr()
+    shallow.maxlevel, shallow.maxlist, shallow.maxtuple, shallow.maxdict = 3, 8, 8, 8
+    shallow.maxstring = shallow.maxother = limit
+    return shallow
+
+
 def show(value: Any, limit: int = 80) -> str:
     """A user-supplied value for an error message: repr (which escapes control characters such
-    as NUL, which would otherwise cut the message short in transport), truncated."""
-    text = repr(value)
+    as NUL, which would otherwise cut the message short in transport), truncated. Nested
+    values are shown 3 levels deep: a full repr of a deeply nested JSON value raised
+    RecursionError inside the server's request handler (an INTERNAL error for a bad request)."""
+    text = _shallow_repr(limit).repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -76,3 +76,22 @@ def test_response_payloads() -> None:
     payload = json.loads(logprobs_json([{5: Logprob(-0.25, 1, " the"), 9: Logprob(-2.0, 2, " a")}]))
     assert payload == [{"5": {"logprob": -0.25, "rank": 1, "decoded_token": " the"},
                         "9": {"logprob": -2.0, "rank": 2, "decoded_token": " a"}}]
+
+
+@pytest.mark.parametrize("key", ["stop", "max_tokens", "seed", "n", "temperature", "allowed_token_ids"])
+def test_deeply_nested_values_are_refused_not_internal_errors(key: str) -> None:
+    # Near the recursion limit, json.loads still decodes the value but a full repr of it in the
+    # error message did not: RecursionError, an INTERNAL error for a bad request (the fault
+    # suite found it on a seed of its own). Every depth must give INVALID_ARG.
+    import sys
+
+    from backend.errors import show
+
+    limit = sys.getrecursionlimit()
+    for depth in range(limit - 80, limit + 5):
+        with pytest.raises(InvalidRequestError):
+            sampling_params('{"%s": ' % key + "[" * depth + "]" * depth + "}")
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    assert show(nested) == "[[[[...]]]]"
