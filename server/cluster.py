@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import os
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.llm_client import PREFIX_KEY_HEADER, SERVED_BY_HEADER
-from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports
+from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports, terminate_with_parent
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
 FALLBACK_PREFIX_BYTES = 256     # of text_input, hashed when a request carries no prefix key
@@ -254,7 +255,8 @@ class ConfiguredProcess:
         self._check_config(binary, config)
         self._log = open(self.log_file, "w") if self.log_file else None
         self.process = subprocess.Popen(self.command(binary, config, workdir), stdout=self._log or subprocess.DEVNULL,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=functools.partial(terminate_with_parent, os.getpid()))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -427,9 +429,14 @@ class Cluster:
 
         def start_one(server: TritonServer) -> None:
             try:
-                server.start(timeout)
+                server.finish_start(timeout)
             except BaseException as exc:   # noqa: BLE001 - reported below
                 errors.append(exc)
+
+        # Processes are started here, on this (long-lived) thread: a process started on a
+        # thread that ends gets SIGTERM then (terminate_with_parent). Only the waits are parallel.
+        for server in self.servers:
+            server.launch()
 
         threads = [threading.Thread(target=start_one, args=(s,)) for s in self.servers]
         for t in threads:

@@ -11,7 +11,9 @@ repository (the checked-in one is never modified). Tests use ``TritonServer`` di
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -30,6 +32,24 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "llm"
+
+
+def terminate_with_parent(parent_pid: int) -> None:
+    """In a child, between fork and exec (``preexec_fn=partial(terminate_with_parent,
+    os.getpid())``): the kernel sends it SIGTERM when the *thread* that started it dies (Linux
+    PR_SET_PDEATHSIG), so children are started from long-lived threads (the main thread, a
+    server's supervisor). So a launcher killed with SIGKILL, which cannot stop its server itself,
+    no longer leaves tritonserver running and holding its ports: the server drains
+    (drain_timeout_s) and exits, as on Ctrl-C. A parent already gone before the call is caught
+    by its pid. Elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def free_ports(n: int) -> list[int]:
@@ -190,12 +210,23 @@ class TritonServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        self.launch()
+        return self.finish_start(timeout)
+
+    def launch(self) -> "TritonServer":
+        """Start the process, without waiting for it. Call it on a thread that lives as long
+        as the server should (the kernel stops the server when that thread ends; see
+        terminate_with_parent), then ``finish_start`` from any thread."""
         self._workdir = tempfile.TemporaryDirectory(prefix="llm-server-")
         self.drain_file = Path(self._workdir.name) / "drain"
         self._repository = MODEL_REPOSITORY
         if self.params:
             self._repository = repository_with_params(self.params, Path(self._workdir.name))
         self._spawn()
+        return self
+
+    def finish_start(self, timeout: float = 300.0) -> "TritonServer":
+        """Wait until the launched server is ready (stopping it if it is not), then supervise it."""
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -226,7 +257,8 @@ class TritonServer:
         env["LLM_DRAIN_FILE"] = str(self.drain_file)   # read by model_repository/llm/1/model.py
         env["LLM_SERVER_RESTARTS"] = str(self.restarts)  # exported as llm_server_restarts_total
         self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        preexec_fn=functools.partial(terminate_with_parent, os.getpid()))
 
     def stub_pids(self) -> list[int]:
         """The Python backend stubs of this server (Triton 2.51 neither restarts a stub that

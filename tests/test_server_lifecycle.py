@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -103,6 +104,35 @@ def test_sigterm_drains_every_open_stream_and_leaves_no_process(model_dir: Path,
         assert launcher.wait(30) == 0
         assert time.monotonic() - sigterm_at <= DRAIN_TIMEOUT_S + 15
         assert processes_in_group(pgid) == [], "tritonserver or its stub outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+
+
+def test_a_sigkilled_launcher_takes_its_server_down(model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL cannot be caught, so the launcher cannot stop its server: the kernel tells the
+    server instead (PR_SET_PDEATHSIG: SIGTERM), which drains and exits with its stub, and the
+    ports are free again."""
+    http, grpc, metrics = free_ports(3)
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "server.launch", f"--http-port={http}", f"--grpc-port={grpc}",
+                                 f"--metrics-port={metrics}", "--param=drain_timeout_s=2"],
+                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        TritonServer(http, grpc, metrics).wait_ready(300)
+        server_pid = _tritonserver_pid(http)
+        assert server_pid is not None
+        pgid = os.getpgid(server_pid)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while processes_in_group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_in_group(pgid) == [], "tritonserver or its stub outlived a SIGKILLed launcher"
+        for port in (http, grpc, metrics):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))          # free again
     finally:
         if launcher.poll() is None:
             launcher.kill()
