@@ -49,9 +49,9 @@ serve: setup model
 
 # N replicas (REPLICAS=2) on 127.0.0.1 behind HAProxy with prefix-affinity routing: HTTP 9000,
 # gRPC 9001, HAProxy stats 9002, replica i on 9100+10i.. (BASE_PORT=9000). Optional:
-# BALANCE=roundrobin, PROMETHEUS=1 (Prometheus on 9090). docs/scaling.md.
+# BALANCE=roundrobin, PROMETHEUS=1 (Prometheus on 9090, or PROMETHEUS_PORT=...). docs/scaling.md.
 cluster: setup model setup-cluster
-	$(PY) -m server.cluster $(if $(BALANCE),--balance $(BALANCE)) $(if $(PROMETHEUS),--prometheus)
+	$(PY) -m server.cluster $(if $(BALANCE),--balance $(BALANCE)) $(if $(PROMETHEUS),--prometheus) $(if $(PROMETHEUS_PORT),--prometheus-port $(PROMETHEUS_PORT))
 
 test: setup model setup-cluster
 	$(PY) -m pytest -q tests

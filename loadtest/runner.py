@@ -91,10 +91,10 @@ def model_ready(host: str, timeout: float = 3.0) -> bool:
 
 def running_cluster_metrics(grpc_host: str) -> str | None:
     """Comma-separated metrics URLs of the replicas behind ``grpc_host`` when it is the proxy
-    of a cluster that `make cluster` runs (it leaves runs/cluster.json while it is up)."""
+    of a cluster that `make cluster` runs (server.cluster.cluster_state_path, while it is up)."""
     from server.cluster import read_cluster_state
 
-    state = read_cluster_state()
+    state = read_cluster_state(grpc_host)
     if state and state.get("grpc") == grpc_host:
         return ",".join(state["metrics_urls"])
     return None

@@ -2,11 +2,14 @@
 a prefix on the replica that already holds its KV blocks (docs/scaling.md).
 
     python -m server.cluster [--replicas 2] [--base-port 9000] [--balance prefix|roundrobin]
-                             [--prometheus] [--param KEY=VALUE ...]
+                             [--prometheus [--prometheus-port 9090]] [--log-dir DIR] [--param KEY=VALUE ...]
     python -m server.cluster --write-deploy     # regenerate deploy/haproxy and deploy/prometheus
 
 Ports from the base (9000): the proxy's HTTP 9000, gRPC 9001, stats + its own metrics 9002;
-replica i: HTTP 9100+10i, gRPC 9101+10i, metrics 9102+10i; Prometheus (``--prometheus``) 9090.
+replica i: HTTP 9100+10i, gRPC 9101+10i, metrics 9102+10i; Prometheus (``--prometheus``) 9090
+(``--prometheus-port``, ``PROMETHEUS_PORT``). Logs go to ``--log-dir``; while it runs, the
+launcher describes the cluster in a file of the temporary directory (``cluster_state_path``),
+where a load test against the proxy finds the replicas' metrics.
 
 The routing contract: a client sends ``x-prefix-key`` (a hash of the system prompt, a
 conversation id: anything equal for requests that share a prefix), as an HTTP header or gRPC
@@ -53,7 +56,6 @@ DEFAULT_BASE_PORT = 9000
 DEFAULT_PROMETHEUS_PORT = 9090
 # While `make cluster` runs: its proxy and replicas, so that `make loadtest SERVER=<proxy>`
 # finds every replica's metrics.
-CLUSTER_STATE = REPO_ROOT / "runs" / "cluster.json"
 INSTALL_HINT = {
     "haproxy": "Debian/Ubuntu: apt-get install -y haproxy; Fedora/RHEL: dnf install haproxy; macOS: brew install haproxy",
     "prometheus": "Debian/Ubuntu: apt-get install -y prometheus; elsewhere: the release binary from prometheus.io",
@@ -475,9 +477,17 @@ class Cluster:
         self.stop()
 
 
-def read_cluster_state() -> dict | None:
+def cluster_state_path(grpc_address: str) -> Path:
+    """Where a running cluster launcher describes itself (proxy addresses, replicas' metrics),
+    keyed by the proxy's gRPC address: in the temporary directory, not in the checkout, and one
+    file per cluster."""
+    return Path(tempfile.gettempdir()) / f"llm-cluster-{grpc_address.replace(':', '-')}.json"
+
+
+def read_cluster_state(grpc_address: str) -> dict | None:
+    """The state of the cluster whose proxy serves gRPC at ``grpc_address``, if its launcher runs."""
     try:
-        state = json.loads(CLUSTER_STATE.read_text())
+        state = json.loads(cluster_state_path(grpc_address).read_text())
         os.kill(int(state["pid"]), 0)    # a launcher killed hard leaves its file behind
         return state
     except (OSError, ValueError, KeyError):
@@ -493,18 +503,24 @@ def write_deploy_files() -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=int(os.environ.get("REPLICAS", 2)))
     parser.add_argument("--base-port", type=int, default=int(os.environ.get("BASE_PORT", DEFAULT_BASE_PORT)))
     parser.add_argument("--balance", choices=BALANCE_MODES, default="prefix")
-    parser.add_argument("--prometheus", action="store_true", help=f"also run prometheus on {DEFAULT_PROMETHEUS_PORT}")
+    parser.add_argument("--prometheus", action="store_true", help="also run prometheus (on --prometheus-port)")
+    parser.add_argument("--prometheus-port", type=int,
+                        default=int(os.environ.get("PROMETHEUS_PORT", DEFAULT_PROMETHEUS_PORT)))
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override an engine parameter of config.pbtxt on every replica")
     parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "runs" / "cluster")
     parser.add_argument("--write-deploy", action="store_true",
                         help="write deploy/haproxy/haproxy.cfg and deploy/prometheus/prometheus.yml and exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
     if args.write_deploy:
         for path in write_deploy_files():
             print(f"wrote {path.relative_to(REPO_ROOT)}")
@@ -513,18 +529,19 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(args.replicas, args.base_port, args.balance, params, supervise=True, log_dir=args.log_dir)
     prometheus = None
+    state_file: Path | None = None
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
     signal.signal(signal.SIGINT, lambda *_: stop_requested.set())
     cluster.start()
     try:
         if args.prometheus:
-            prometheus = Prometheus(cluster.endpoints, DEFAULT_PROMETHEUS_PORT,
+            prometheus = Prometheus(cluster.endpoints, args.prometheus_port,
                                     f"127.0.0.1:{cluster.proxy_ports.stats}", "5s",
                                     log_file=args.log_dir / "prometheus.log").start()
         metrics = ",".join(e.metrics_url for e in cluster.endpoints)
-        CLUSTER_STATE.parent.mkdir(parents=True, exist_ok=True)
-        CLUSTER_STATE.write_text(json.dumps({"http": cluster.proxy.http_url, "grpc": cluster.proxy.grpc_url,
+        state_file = cluster_state_path(cluster.proxy.grpc_url)
+        state_file.write_text(json.dumps({"http": cluster.proxy.http_url, "grpc": cluster.proxy.grpc_url,
                                              "stats": cluster.proxy.stats_url, "pid": os.getpid(),
                                              "metrics_urls": [e.metrics_url for e in cluster.endpoints]}))
         print(f"{len(cluster.endpoints)} replicas of '{MODEL_NAME}' behind HAProxy ({args.balance}): "
@@ -542,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
     finally:
         print("stopping: draining every replica", flush=True)
-        CLUSTER_STATE.unlink(missing_ok=True)
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)
         if prometheus is not None:
             prometheus.stop()
         cluster.stop()

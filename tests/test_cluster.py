@@ -247,3 +247,34 @@ def test_failover_moves_only_the_dead_replicas_keys(cluster: Cluster, prompts: P
         expected = survivor if placement[r.group] == victim else placement[r.group]
         assert r.served_by == expected, (r.group, placement[r.group], r.served_by)
     assert cluster.proxy.wait_for_state(victim, "DOWN", timeout=10)
+
+
+def test_cluster_state_lives_outside_the_checkout_and_is_found_by_proxy_address(tmp_path, monkeypatch) -> None:
+    import json
+    import os
+    import tempfile
+
+    from server.cluster import cluster_state_path, read_cluster_state
+    from server.launch import REPO_ROOT
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = cluster_state_path("127.0.0.1:9001")
+    assert path.parent == tmp_path and REPO_ROOT not in path.parents
+    assert cluster_state_path("127.0.0.1:9011") != path            # one file per cluster
+    assert read_cluster_state("127.0.0.1:9001") is None
+    path.write_text(json.dumps({"grpc": "127.0.0.1:9001", "pid": os.getpid(), "metrics_urls": ["http://a/metrics"]}))
+    assert read_cluster_state("127.0.0.1:9001")["metrics_urls"] == ["http://a/metrics"]
+    assert read_cluster_state("127.0.0.1:9011") is None
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path.write_text(json.dumps({"grpc": "127.0.0.1:9001", "pid": dead.pid, "metrics_urls": []}))
+    assert read_cluster_state("127.0.0.1:9001") is None            # a launcher killed hard left it
+
+
+def test_cluster_launcher_takes_the_prometheus_port(monkeypatch) -> None:
+    from server.cluster import DEFAULT_PROMETHEUS_PORT, argument_parser
+
+    assert argument_parser().parse_args([]).prometheus_port == DEFAULT_PROMETHEUS_PORT
+    assert argument_parser().parse_args(["--prometheus", "--prometheus-port", "9191"]).prometheus_port == 9191
+    monkeypatch.setenv("PROMETHEUS_PORT", "9292")                  # make cluster PROMETHEUS_PORT=9292
+    assert argument_parser().parse_args([]).prometheus_port == 9292
