@@ -132,7 +132,11 @@ def test_a_sigkilled_launcher_takes_its_server_down(model_dir: Path, tmp_path: P
         assert processes_in_group(pgid) == [], "tritonserver or its stub outlived a SIGKILLed launcher"
         for port in (http, grpc, metrics):
             with socket.socket() as sock:
-                sock.bind(("127.0.0.1", port))          # free again
+                # Free again: nothing listens on it (SO_REUSEADDR, as a server restarting on the
+                # port sets: the connections the server closed may still be in TIME_WAIT).
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
     finally:
         if launcher.poll() is None:
             launcher.kill()
