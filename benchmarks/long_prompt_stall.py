@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.serving import Request, Result, Server, cpu_info, percentile, send
+from benchmarks.serving import Request, Result, Server, cpu_info, our_server, parse_params, percentile, send
 
 ID_RANGE = (1000, 40000)
 
@@ -162,15 +162,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         host, port = args.server.rsplit(":", 1)
         results.append(run_config(Server("server", "triton", host, int(port), args.model), args, args.server))
     else:
-        from server.launch import TritonServer, free_ports
         for spec in args.launch:
-            params = dict(item.split("=", 1) for item in spec.split(",") if item)
-            http_port, grpc_port, metrics_port = free_ports(3)
-            srv = TritonServer(http_port, grpc_port, metrics_port, params=params).start()
-            try:
+            with our_server(parse_params(spec)) as http_port:
                 results.append(run_config(Server("ours", "triton", "127.0.0.1", http_port, args.model), args, spec))
-            finally:
-                srv.stop()
     print(table(results))
     if args.json:
         config = {**{k: v for k, v in vars(args).items() if k not in ("json",)}, **cpu,

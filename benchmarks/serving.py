@@ -37,6 +37,7 @@ Percentiles use linear interpolation between closest ranks (numpy's default).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import http.client
 import json
@@ -356,6 +357,25 @@ def parse_server(spec: str, model: str) -> Server:
         raise argparse.ArgumentTypeError(f"bad --server {spec!r}: want NAME=API@HOST:PORT, API in {APIS}")
 
 
+def parse_params(text: str) -> dict[str, str]:
+    """Engine parameters written ``KEY=VALUE,KEY=VALUE`` ("" for none)."""
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
+@contextlib.contextmanager
+def our_server(params: dict[str, str]) -> Iterator[int]:
+    """Our server started on free ports with these engine parameters; yields its HTTP port and
+    stops it (drain included) on the way out."""
+    from server.launch import TritonServer, free_ports
+
+    http_port, grpc_port, metrics_port = free_ports(3)
+    server = TritonServer(http_port, grpc_port, metrics_port, params=params).start()
+    try:
+        yield http_port
+    finally:
+        server.stop()
+
+
 def no_nan(d: dict[str, Any]) -> dict[str, Any]:
     """NaN (no samples) as null, so the file is strict JSON."""
     return {k: None if isinstance(v, float) and v != v else v for k, v in d.items()}
@@ -393,7 +413,7 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     launches = {}
     for spec in args.launch:
         name, _, params = spec.partition(":")
-        launches[name] = dict(item.split("=", 1) for item in params.split(",") if item)
+        launches[name] = parse_params(params)
         servers.append(Server(name, "triton", "127.0.0.1", 0, args.model))
     if not servers:
         p.error("give --server or --launch")
@@ -404,24 +424,17 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     print(f"host CPU: {cpu['cpu_model']} ({cpu['cpu_cores']} cores)", flush=True)
     summaries = []
     for server in servers:
-        started = None
-        if server.name in launches:
-            from server.launch import TritonServer, free_ports
-            http_port, grpc_port, metrics_port = free_ports(3)
-            started = TritonServer(http_port, grpc_port, metrics_port, params=launches[server.name]).start()
-            server.port = http_port
-        if server.api == "openai":
-            server.model = args.served_model or openai_model(server, args.timeout)
-        try:
+        with our_server(launches[server.name]) if server.name in launches else contextlib.nullcontext() as port:
+            if port is not None:
+                server.port = port
+            if server.api == "openai":
+                server.model = args.served_model or openai_model(server, args.timeout)
             for workload in workloads:
                 print(f"running {server.name} ({server.api}) workload {workload.name} ...", file=sys.stderr, flush=True)
                 summaries.append(run_workload(server, workload, args.concurrency, args.timeout,
                                               id_range=(low, high)))
                 for error in summaries[-1].errors:
                     print(f"  failure: {error}", file=sys.stderr)
-        finally:
-            if started is not None:
-                started.stop()
     print(markdown_table(summaries))
     if args.json:
         config = {"workloads": args.workloads.split(","), "seed": args.seed, "concurrency": args.concurrency,

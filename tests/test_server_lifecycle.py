@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -34,6 +35,22 @@ def _tritonserver_pid(http_port: int) -> int | None:
         if args and args[0].endswith(b"tritonserver") and f"--http-port={http_port}".encode() in args:
             return int(cmdline.parent.name)
     return None
+
+
+def start_launcher(tmp_path: Path, http: int, grpc: int, metrics: int, drain_timeout_s: float,
+                   ) -> tuple[subprocess.Popen, IO[str]]:
+    """``python -m server.launch`` as a user runs it, on these ports, ready; its output in a log."""
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "server.launch", f"--http-port={http}", f"--grpc-port={grpc}",
+                                 f"--metrics-port={metrics}", f"--param=drain_timeout_s={drain_timeout_s:g}"],
+                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        TritonServer(http, grpc, metrics).wait_ready(300)
+    except BaseException:
+        launcher.kill()
+        log.close()
+        raise
+    return launcher, log
 
 
 class StreamRecord:
@@ -69,12 +86,8 @@ class StreamRecord:
 
 def test_sigterm_drains_every_open_stream_and_leaves_no_process(model_dir: Path, tmp_path: Path) -> None:
     http, grpc, metrics = free_ports(3)
-    log = open(tmp_path / "launcher.log", "w")
-    launcher = subprocess.Popen([sys.executable, "-m", "server.launch", f"--http-port={http}", f"--grpc-port={grpc}",
-                                 f"--metrics-port={metrics}", f"--param=drain_timeout_s={DRAIN_TIMEOUT_S:g}"],
-                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    launcher, log = start_launcher(tmp_path, http, grpc, metrics, DRAIN_TIMEOUT_S)
     try:
-        TritonServer(http, grpc, metrics).wait_ready(300)
         server_pid = _tritonserver_pid(http)
         assert server_pid is not None
         pgid = os.getpgid(server_pid)
@@ -115,12 +128,8 @@ def test_a_sigkilled_launcher_takes_its_server_down(model_dir: Path, tmp_path: P
     server instead (PR_SET_PDEATHSIG: SIGTERM), which drains and exits with its stub, and the
     ports are free again."""
     http, grpc, metrics = free_ports(3)
-    log = open(tmp_path / "launcher.log", "w")
-    launcher = subprocess.Popen([sys.executable, "-m", "server.launch", f"--http-port={http}", f"--grpc-port={grpc}",
-                                 f"--metrics-port={metrics}", "--param=drain_timeout_s=2"],
-                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    launcher, log = start_launcher(tmp_path, http, grpc, metrics, 2.0)
     try:
-        TritonServer(http, grpc, metrics).wait_ready(300)
         server_pid = _tritonserver_pid(http)
         assert server_pid is not None
         pgid = os.getpgid(server_pid)

@@ -85,12 +85,6 @@ class WaitingQueue:
     def push(self, request: Request) -> None:
         heapq.heappush(self._heap, (self.key(request), request))
 
-    def peek(self) -> Request:
-        return self._heap[0][1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[1]
-
     def remove(self, request: Request) -> None:
         self._heap = [item for item in self._heap if item[1] is not request]
         heapq.heapify(self._heap)
@@ -98,8 +92,12 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def __iter__(self):
-        return (item[1] for item in sorted(self._heap, key=lambda item: item[0]))
+    def __iter__(self) -> Iterator[Request]:
+        """In policy order, lazily: admission looks at the first few of a queue that may hold
+        hundreds, every step (keys are unique: arrival numbers never tie)."""
+        heap = list(self._heap)
+        while heap:
+            yield heapq.heappop(heap)[1]
 
 
 class Scheduler:
@@ -111,7 +109,7 @@ class Scheduler:
         # Called with a waiting request whose constraint could not be built, after it was
         # finished (FINISHED_ERROR), so that its final output reports why.
         self.on_constraint_error = on_constraint_error
-        # The step-time predictor (backend/core/step_cost.py); the engine sets it after its
+        # The step-time predictor (backend/core/step_cost.py), fitted by the engine's
         # calibration run. Prefill chunks are sized to it when itl_target_ms > 0.
         self.cost_model = cost_model
         self.waiting = WaitingQueue(config.scheduling_policy == "priority")
@@ -258,6 +256,8 @@ class Scheduler:
             if waiting:
                 if not admit:
                     continue
+                # Looked up again: an allocation earlier in this step may have evicted a block
+                # that was cached when the request was classified.
                 computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             elif request.status != RequestStatus.RUNNING:
                 continue             # preempted to make room for a request before it
@@ -321,8 +321,9 @@ class Scheduler:
     def _ready_waiting(self) -> Iterator[Request]:
         """Waiting requests that may be admitted now, in policy order. A request whose constraint
         is still being built is passed over (it keeps its place); one whose build finished gets
-        its constraint installed, or is finished with the error."""
-        for request in list(self.waiting):
+        its constraint installed, or is finished with the error. (The queue's iterator walks a
+        copy, so requests may leave the queue meanwhile.)"""
+        for request in self.waiting:
             pending = request.pending_constraint
             if pending is not None:
                 if not pending.done():

@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepRecord:
     """One step as the loop's step trace and metrics see it."""
-    number: int
     measured_s: float                  # Engine.step, schedule to outputs
     predicted_s: float | None          # the cost model's prediction (None without one)
     prediction_error: float | None     # |predicted - measured| / measured
@@ -110,14 +109,14 @@ class Engine:
         self.runner = ModelRunner(config, self.arch)
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed)
-        self.validator = self.make_validator()
         self.sampler = Sampler(config.seed)
         # The scheduler's clock when prefill chunks are sized to an ITL target.
         self.cost_model = cost_model
         if self.cost_model is None and config.itl_target_ms > 0:
             self.cost_model = self._calibrate_step_cost()
-        self.scheduler.cost_model = self.cost_model
+        self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed,
+                                   cost_model=self.cost_model)
+        self.validator = self.make_validator()
         self._grammars: GrammarService | None = None   # built on the first structured-output request
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -243,7 +242,7 @@ class Engine:
         error = None
         if self.cost_model is not None and not failed:   # a step re-run after a failure says nothing
             error = self.cost_model.observe(sched.features, measured)
-        self.last_step = StepRecord(self.num_steps, measured, sched.predicted_seconds, error, rows)
+        self.last_step = StepRecord(measured, sched.predicted_seconds, error, rows)
         return outputs
 
     def _calibrate_step_cost(self) -> StepCostModel:

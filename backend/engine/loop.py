@@ -282,7 +282,7 @@ class EngineLoop:
         """One JSON line per step: its number, start (monotonic s), duration of the loop
         iteration (ms), the engine step's own measured and predicted time (ms; predicted null
         without a cost model) and rows ``[request id, tokens, prefill?]`` (loadtest/slots.py
-        draws the slot timeline from it, loadtest/step_records.py the chunk sizes and errors)."""
+        draws the slot timeline from it, loadtest/steps.py the chunk sizes and errors)."""
         if self._step_trace is None:
             self._step_trace = open(self.engine.config.step_trace_path, "a", buffering=1)
         record = self.engine.last_step
