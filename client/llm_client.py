@@ -16,14 +16,18 @@ one from a shared prefix such as a system prompt.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import itertools
 import json
 import queue
 import threading
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc._infer_stream import _InferStream, _RequestIterator
@@ -62,7 +66,40 @@ def _finish_reason(raw: str | bytes | None) -> str | None:
 
 
 class LLMError(Exception):
-    """The server ended a request with an error (message as Triton sent it)."""
+    """The server ended a request with an error (message as Triton sent it), or the connection
+    to it broke. ``retryable``: refused before any work was done (a draining replica, a full
+    queue, no replica reachable); ``replica``: the proxy's name for the server, when known."""
+
+    def __init__(self, message: str, retryable: bool = False, replica: str | None = None) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.replica = replica
+
+
+# The server's UNAVAILABLE refusals (backend/errors.py: ShuttingDownError, QueueFullError).
+# Triton passes a model's error to the client as text only (over HTTP as a 400), so the text is
+# the contract (tests/test_server.py and test_server_lifecycle.py assert both are retryable).
+RETRYABLE_MESSAGES = ("server is shutting down", "waiting queue is full")
+
+
+def refusal(message: str, replica: str | None = None) -> LLMError:
+    """An error the server sent in place of a response."""
+    return LLMError(message, retryable=any(m in message for m in RETRYABLE_MESSAGES), replica=replica)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry a request that was refused before its first token (``LLMError.retryable``): behind
+    the cluster's proxy the retry reaches a live replica once the proxy has marked the failed
+    one down (about 1.25 s, docs/scaling.md). Never after a token: that would repeat output."""
+    retries: int = 3
+    first_backoff_s: float = 0.25    # doubled each time: 0.25 + 0.5 + 1.0 s
+
+    def backoff_s(self, attempt: int) -> float:
+        return self.first_backoff_s * 2 ** attempt
+
+
+NO_RETRY = RetryPolicy(retries=0)
 
 
 @dataclass
@@ -75,7 +112,7 @@ class StreamChunk:
     num_input_tokens: int | None = None
     num_cached_tokens: int | None = None
     finish_message: str | None = None   # why the server cut it short (shutdown drain)
-    served_by: str | None = None        # behind the cluster's proxy (HTTP): the replica's name
+    served_by: str | None = None        # behind the cluster's proxy: the replica's name
 
 
 @dataclass
@@ -85,6 +122,7 @@ class Completion:
     num_input_tokens: int | None
     num_output_tokens: int
     num_cached_tokens: int | None
+    served_by: str | None = None
 
 
 def build_inputs(prompt: str | list[int], sampling: dict[str, Any], stream: bool = True,
@@ -131,19 +169,36 @@ def parse_result(request_id: str, result: Any) -> StreamChunk:
 
 class _IdAwareStream(_InferStream):
     """tritonclient drops the request id of error responses on a stream; with several
-    requests in flight on one stream we need it to tell whose error it is."""
+    requests in flight on one stream we need it to tell whose error it is. Also keeps the
+    proxy's ``x-served-by`` (the stream's initial metadata) to name the replica in errors."""
+
+    served_by: str | None = None
 
     def _process_response(self) -> None:
         try:
             for response in self._response_iterator:
+                if self.served_by is None:
+                    self.served_by = dict(self._response_iterator.initial_metadata() or ()).get(SERVED_BY_HEADER, "")
                 request_id = response.infer_response.id
                 if response.error_message:
-                    self._callback(request_id, None, LLMError(response.error_message))
+                    self._callback(request_id, None, refusal(response.error_message, self.served_by or None))
                 else:
                     self._callback(request_id, grpcclient.InferResult(response.infer_response), None)
         except Exception as exc:  # grpc.RpcError: the stream itself broke
             self._active = False
-            self._callback(None, None, LLMError(f"stream failed: {exc}"))
+            self._callback(None, None, self._broken(exc))
+
+    def _broken(self, exc: Exception) -> LLMError:
+        if isinstance(exc, grpc.RpcError):
+            code, details = exc.code(), exc.details()
+            reason = f"{code.name if code else 'UNKNOWN'}: {details}"
+        else:
+            code, reason = None, repr(exc)
+        where = f" from replica {self.served_by}" if self.served_by else ""
+        # Refused before anything came back (connection refused, the proxy had no replica):
+        # nothing ran, so it is safe to send again.
+        return LLMError(f"the stream{where} broke ({reason})", replica=self.served_by or None,
+                        retryable=code == grpc.StatusCode.UNAVAILABLE and self.served_by is None)
 
 
 class _Connection:
@@ -160,7 +215,14 @@ class _Connection:
         self.client._stream._init_handler(iterator)
 
     def send(self, model: str, request_id: str, inputs: list[grpcclient.InferInput]) -> None:
-        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        """Queue a request on the stream. If the stream has already broken, nothing is sent and
+        the reason arrives through ``on_response`` (tritonclient's own exception says only
+        that the stream is no longer valid)."""
+        try:
+            self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        except InferenceServerException:
+            if self.client._stream._active:
+                raise
 
     def close(self, cancel: bool = False) -> None:
         try:
@@ -170,24 +232,42 @@ class _Connection:
 
 
 class CompletionStream:
-    """Iterate for StreamChunks; ``cancel()`` (or breaking out of the loop) cancels the request."""
+    """Iterate for StreamChunks; ``cancel()`` (or breaking out of the loop) cancels the request.
+    A refusal before the first response is retried on a new stream (``RetryPolicy``)."""
 
     def __init__(self, url: str, model: str, request_id: str, inputs: list[grpcclient.InferInput],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, retry: RetryPolicy = NO_RETRY) -> None:
         self.request_id = request_id
-        self._queue: queue.Queue[tuple[Any, LLMError | None]] = queue.Queue()
-        self._connection = _Connection(url, lambda rid, result, error: self._queue.put((result, error)), headers)
+        self._url, self._model, self._inputs, self._headers, self._retry = url, model, inputs, headers, retry
+        self._connection: _Connection | None = None
         self._done = False
-        self._connection.send(model, request_id, inputs)
+        self._queue = self._open()
+
+    def _open(self) -> queue.Queue[tuple[Any, LLMError | None]]:
+        events: queue.Queue[tuple[Any, LLMError | None]] = queue.Queue()
+        self._connection = _Connection(self._url, lambda rid, result, error: events.put((result, error)),
+                                       self._headers)
+        self._connection.send(self._model, self.request_id, self._inputs)
+        return events
 
     def __iter__(self) -> Iterator[StreamChunk]:
+        attempt = 0
+        responded = False
         try:
             while not self._done:
                 result, error = self._queue.get()
                 if error is not None:
+                    if not responded and error.retryable and attempt < self._retry.retries:
+                        self.close(cancel=True)
+                        time.sleep(self._retry.backoff_s(attempt))
+                        attempt += 1
+                        self._queue = self._open()
+                        continue
                     self._done = True
                     raise error
+                responded = True
                 chunk = parse_result(self.request_id, result)
+                chunk.served_by = self._connection.client._stream.served_by or None if self._connection else None
                 self._done = chunk.final
                 if chunk.text or chunk.num_output_tokens or chunk.final:
                     yield chunk
@@ -204,9 +284,14 @@ class CompletionStream:
 
 
 class LLMClient:
-    def __init__(self, url: str = DEFAULT_GRPC_URL, model: str = DEFAULT_MODEL) -> None:
+    """``retry``: how requests refused before their first token are retried (default: 3 times
+    over 1.75 s; ``NO_RETRY`` to see every refusal)."""
+
+    def __init__(self, url: str = DEFAULT_GRPC_URL, model: str = DEFAULT_MODEL,
+                 retry: RetryPolicy = RetryPolicy()) -> None:
         self.url = url
         self.model = model
+        self.retry = retry
         self._ids = itertools.count()
 
     def _next_id(self) -> str:
@@ -215,7 +300,7 @@ class LLMClient:
     def stream(self, prompt: str | list[int], request_id: str | None = None, prefix_key: str | None = None,
                **sampling: Any) -> CompletionStream:
         return CompletionStream(self.url, self.model, request_id or self._next_id(),
-                                build_inputs(prompt, sampling, stream=True), routing_headers(prefix_key))
+                                build_inputs(prompt, sampling, stream=True), routing_headers(prefix_key), self.retry)
 
     def generate(self, prompt: str | list[int], prefix_key: str | None = None, **sampling: Any) -> Completion:
         chunks = list(self.stream(prompt, prefix_key=prefix_key, **sampling))
@@ -223,7 +308,7 @@ class LLMClient:
         return Completion(text="".join(c.text for c in chunks), finish_reason=final.finish_reason,
                           num_input_tokens=final.num_input_tokens,
                           num_output_tokens=sum(c.num_output_tokens for c in chunks),
-                          num_cached_tokens=final.num_cached_tokens)
+                          num_cached_tokens=final.num_cached_tokens, served_by=final.served_by)
 
     def stream_many(self, prompts: Iterable[str | list[int]], sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
                     request_ids: list[str] | None = None,
@@ -231,7 +316,8 @@ class LLMClient:
         """Send every prompt at once over one stream (one connection) and yield chunks, or
         (request_id, error), in arrival order until every request has ended. ``sampling`` is
         one dict for all prompts or one dict per prompt. Behind a proxy the stream, and so
-        every prompt on it, goes to one replica (the one ``prefix_key`` maps to)."""
+        every prompt on it, goes to one replica (the one ``prefix_key`` maps to). Nothing is
+        retried here: each error is the caller's to handle."""
         prompts = list(prompts)
         per_request = sampling if isinstance(sampling, list) else [sampling or {}] * len(prompts)
         ids = request_ids or [self._next_id() for _ in prompts]
@@ -266,25 +352,72 @@ class LLMClient:
 
 def http_generate_stream(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = DEFAULT_MODEL,
                          timeout: float = 600.0, prefix_key: str | None = None,
-                         **sampling: Any) -> Iterator[StreamChunk]:
-    """Triton's HTTP generate_stream (server-sent events): one event per response."""
+                         retry: RetryPolicy = RetryPolicy(), **sampling: Any) -> Iterator[StreamChunk]:
+    """Triton's HTTP generate_stream (server-sent events): one event per response. A refusal
+    before the first event (no replica reachable, a draining one, a full queue) is retried per
+    ``retry``; a stream that ends without its final event raises ``LLMError`` naming the replica."""
     body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
             "sampling_parameters": json.dumps(sampling), **{flag: True for flag in RETURN_FLAGS}}
     request = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", **routing_headers(prefix_key)})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        served_by = response.headers.get(SERVED_BY_HEADER)
-        for raw in response:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:"):
+    for attempt in itertools.count():
+        events = _sse_events(request, timeout)
+        try:
+            first = next(events)
+        except LLMError as error:
+            if error.retryable and attempt < retry.retries:
+                time.sleep(retry.backoff_s(attempt))
                 continue
-            event = json.loads(line[len("data:"):])
-            if "error" in event:
-                raise LLMError(event["error"])
-            yield StreamChunk(request_id=event.get("id", ""), text=event.get("text_output", ""),
-                              num_output_tokens=int(event.get("num_output_tokens", 0)),
-                              final=_finish_reason(event.get("finish_reason")) is not None,
-                              finish_reason=_finish_reason(event.get("finish_reason")),
-                              num_input_tokens=event.get("num_input_tokens"),
-                              num_cached_tokens=event.get("num_cached_tokens"), served_by=served_by)
+            raise
+        except StopIteration:
+            return
+        yield first
+        yield from events
+        return
+
+
+def _sse_events(request: urllib.request.Request, timeout: float) -> Iterator[StreamChunk]:
+    """One generate_stream request's events until the final one; every failure is an LLMError."""
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        # 503: the proxy had no replica up; Triton reports a model's refusal as 400 + its text.
+        text = exc.read().decode("utf-8", "replace")
+        try:
+            message = json.loads(text).get("error", text)
+        except ValueError:
+            message = text.strip() or exc.reason
+        error = refusal(f"HTTP {exc.code}: {message}", exc.headers.get(SERVED_BY_HEADER))
+        error.retryable = error.retryable or exc.code == 503
+        raise error from exc
+    except (urllib.error.URLError, ConnectionError) as exc:
+        raise LLMError(f"cannot reach {request.full_url}: {exc}", retryable=True) from exc
+    served_by = response.headers.get(SERVED_BY_HEADER)
+    where = f"replica {served_by}" if served_by else request.host
+    received = 0
+    with response:
+        try:
+            for raw in response:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[len("data:"):])
+                if "error" in event:
+                    error = refusal(event["error"], served_by)
+                    error.retryable = error.retryable and received == 0
+                    raise error
+                received += 1
+                finish = _finish_reason(event.get("finish_reason"))
+                yield StreamChunk(request_id=event.get("id", ""), text=event.get("text_output", ""),
+                                  num_output_tokens=int(event.get("num_output_tokens", 0)),
+                                  final=finish is not None, finish_reason=finish,
+                                  num_input_tokens=event.get("num_input_tokens"),
+                                  num_cached_tokens=event.get("num_cached_tokens"), served_by=served_by)
+                if finish is not None:
+                    return
+        except (http.client.HTTPException, OSError) as exc:
+            raise LLMError(f"the stream from {where} broke after {received} events ({exc!r})",
+                           replica=served_by) from exc
+    raise LLMError(f"the stream from {where} ended after {received} events without a final one "
+                   "(the server or the connection went away)", replica=served_by)

@@ -110,10 +110,12 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
     else:
         balance_lines = ["    balance roundrobin"]
     inter = f"{int(HEALTH_CHECK_INTERVAL_S * 1000)}ms"
+    fastinter = f"{int(HEALTH_CHECK_INTERVAL_S * 250)}ms"
 
     def servers(port_of: str, extra: str = "") -> list[str]:
         return [f"    server {r.name} {r.host}:{getattr(r, port_of)}{extra} check port {r.http_port} "
-                f"inter {inter} fall 2 rise 2" for r in replicas]
+                f"inter {inter} fastinter {fastinter} fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down"
+                for r in replicas]
 
     dns = ["resolvers docker",
            "    nameserver dns 127.0.0.11:53",
@@ -127,10 +129,15 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
         # A request body is buffered up to this size for the fallback key (a prompt of ~16k
         # tokens); a longer body is routed on what fits.
         "    tune.bufsize 65536",
+        # One line per request on stdout (the launcher's haproxy.log): server, retries and the
+        # termination state (e.g. SC-- = the server refused the connection) of each.
+        "    log stdout format raw local0 info",
         "",
         *dns,
         "defaults",
         "    mode http",
+        "    log global",
+        "    option httplog",
         "    timeout connect 2s",
         "    timeout http-request 30s",
         "    timeout queue 60s",
@@ -167,6 +174,7 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
         "",
         "backend triton_grpc",
         *balance_lines,
+        f"    http-response set-header {SERVED_BY_HEADER} %s",
         # Health-checked over HTTP/1 on the replica's HTTP port, like the HTTP backend.
         *servers("grpc_port", " proto h2 check-proto h1"),
         "",

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import yaml
 from benchmarks.prefix_routing import (
     hit_rate, prefix_counters, replicas_per_group, run_requests, shared_prefix_requests,
 )
-from client import LLMClient, prefix_key_for
+from client import NO_RETRY, LLMClient, LLMError, http_generate_stream, prefix_key_for
 from loadtest.prompts import PromptFactory
 from loadtest.runner import LoadOptions, run_load
 from loadtest.server_metrics import sample_one
@@ -29,6 +31,7 @@ from server.metrics import COUNTERS, GAUGES, HISTOGRAMS
 pytestmark = pytest.mark.server
 
 GROUPS, QUESTIONS, PREFIX_TOKENS, QUESTION_TOKENS, MAX_TOKENS = 6, 4, 256, 16, 2
+BURST = 16    # concurrent requests per protocol right after a replica is killed
 
 
 # --- configuration: no servers needed ----------------------------------------------------------
@@ -228,7 +231,54 @@ def test_load_test_against_the_proxy_reports_each_replica(cluster: Cluster, tmp_
         assert f"| 127.0.0.1:{endpoint.metrics_port} |" in report
 
 
-def test_failover_moves_only_the_dead_replicas_keys(cluster: Cluster, prompts: PromptFactory) -> None:
+def keys_served_by(cluster: Cluster, replica: str, count: int) -> list[str]:
+    """``count`` prefix keys that the proxy routes to ``replica`` (probed over HTTP; the gRPC
+    backend has the same servers, so the same ring)."""
+    keys: list[str] = []
+    for i in range(50 * count):
+        key = f"failover-key-{i}"
+        chunks = list(http_generate_stream("hi", url=cluster.proxy.http_url, prefix_key=key, max_tokens=1))
+        if chunks[-1].served_by == replica:
+            keys.append(key)
+            if len(keys) == count:
+                return keys
+    raise AssertionError(f"fewer than {count} keys map to {replica}")
+
+
+class Streaming(threading.Thread):
+    """A long request streaming from the replica that is about to die (HTTP or gRPC)."""
+
+    def __init__(self, cluster: Cluster, key: str, grpc: bool) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.key, self.grpc = cluster, key, grpc
+        self.first_token = threading.Event()
+        self.served_by: str | None = None
+        self.error: LLMError | None = None
+        self.final = False
+
+    def run(self) -> None:
+        sampling = {"max_tokens": 2000, "ignore_eos": True, "retry": NO_RETRY}
+        try:
+            chunks = (LLMClient(self.cluster.proxy.grpc_url, retry=NO_RETRY).stream(
+                          "Tell me a very long story.", prefix_key=self.key, max_tokens=2000, ignore_eos=True)
+                      if self.grpc else
+                      http_generate_stream("Tell me a very long story.", url=self.cluster.proxy.http_url,
+                                           prefix_key=self.key, **sampling))
+            for chunk in chunks:
+                self.served_by = chunk.served_by
+                self.first_token.set()
+                self.final = chunk.final
+        except LLMError as exc:
+            self.error = exc
+        finally:
+            self.first_token.set()
+
+
+def test_failover_under_a_burst_loses_nothing(cluster: Cluster, prompts: PromptFactory) -> None:
+    """Kill a replica, then at once send a burst of its keys over HTTP and gRPC (no client
+    retries): the proxy marks it down on the first refused connection and sends every request
+    to the survivor. Streams that were running on the dead replica end with an error naming it.
+    Keys of the survivor never move."""
     by_group: dict[int, list] = {}
     for request in shared_prefix_requests(prompts, GROUPS, 2, 64, QUESTION_TOKENS, seed=103):
         by_group.setdefault(request.group, []).append(request)
@@ -237,44 +287,48 @@ def test_failover_moves_only_the_dead_replicas_keys(cluster: Cluster, prompts: P
     placement = {r.group: r.served_by for r in before_kill}
     assert set(placement.values()) == {"r0", "r1"}
     victim, survivor = "r1", "r0"
+    burst_keys = keys_served_by(cluster, victim, 2 * BURST)
+    running = [Streaming(cluster, key, grpc) for key, grpc in zip(burst_keys[:2], (False, True))]
+    for stream in running:
+        stream.start()
+        assert stream.first_token.wait(60) and stream.error is None, stream.error
+        assert stream.served_by == victim
 
     cluster.kill_replica(1)
-    # Sent at once: HAProxy has not yet seen the replica fail its health checks; a refused
-    # connection is retried on the other replica.
+
+    def http_request(key: str) -> str | None:
+        chunks = list(http_generate_stream("After the crash:", url=cluster.proxy.http_url, prefix_key=key,
+                                           retry=NO_RETRY, max_tokens=4, ignore_eos=True))
+        assert chunks[-1].final and sum(c.num_output_tokens for c in chunks) == 4
+        return chunks[-1].served_by
+
+    def grpc_request(key: str) -> str | None:
+        completion = LLMClient(cluster.proxy.grpc_url, retry=NO_RETRY).generate(
+            "After the crash:", prefix_key=key, max_tokens=4, ignore_eos=True)
+        assert completion.num_output_tokens == 4
+        return completion.served_by
+
+    with ThreadPoolExecutor(2 * BURST) as pool:
+        burst = ([pool.submit(http_request, key) for key in burst_keys[:BURST]]
+                 + [pool.submit(grpc_request, key) for key in burst_keys[BURST:]])
+        errors, served = [], []
+        for future in burst:
+            try:
+                served.append(future.result())
+            except Exception as exc:   # noqa: BLE001 - collected, asserted below
+                errors.append(repr(exc))
+    assert errors == [] and served == [survivor] * (2 * BURST), (errors, served)
+
+    for stream in running:
+        stream.join(30)
+        assert not stream.final and stream.error is not None, "a stream from the dead replica was cut silently"
+        assert stream.error.replica == victim and f"replica {victim}" in str(stream.error), str(stream.error)
+        assert not stream.error.retryable
+
+    # One at a time too, and the survivor's keys stay where they were.
     after_kill = run_requests(cluster.proxy.http_url, [by_group[g][1] for g in range(GROUPS)], MAX_TOKENS)
     assert [r.error for r in after_kill if r.error] == []
     for r in after_kill:
         expected = survivor if placement[r.group] == victim else placement[r.group]
         assert r.served_by == expected, (r.group, placement[r.group], r.served_by)
     assert cluster.proxy.wait_for_state(victim, "DOWN", timeout=10)
-
-
-def test_cluster_state_lives_outside_the_checkout_and_is_found_by_proxy_address(tmp_path, monkeypatch) -> None:
-    import json
-    import os
-    import tempfile
-
-    from server.cluster import cluster_state_path, read_cluster_state
-    from server.launch import REPO_ROOT
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    path = cluster_state_path("127.0.0.1:9001")
-    assert path.parent == tmp_path and REPO_ROOT not in path.parents
-    assert cluster_state_path("127.0.0.1:9011") != path            # one file per cluster
-    assert read_cluster_state("127.0.0.1:9001") is None
-    path.write_text(json.dumps({"grpc": "127.0.0.1:9001", "pid": os.getpid(), "metrics_urls": ["http://a/metrics"]}))
-    assert read_cluster_state("127.0.0.1:9001")["metrics_urls"] == ["http://a/metrics"]
-    assert read_cluster_state("127.0.0.1:9011") is None
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    path.write_text(json.dumps({"grpc": "127.0.0.1:9001", "pid": dead.pid, "metrics_urls": []}))
-    assert read_cluster_state("127.0.0.1:9001") is None            # a launcher killed hard left it
-
-
-def test_cluster_launcher_takes_the_prometheus_port(monkeypatch) -> None:
-    from server.cluster import DEFAULT_PROMETHEUS_PORT, argument_parser
-
-    assert argument_parser().parse_args([]).prometheus_port == DEFAULT_PROMETHEUS_PORT
-    assert argument_parser().parse_args(["--prometheus", "--prometheus-port", "9191"]).prometheus_port == 9191
-    monkeypatch.setenv("PROMETHEUS_PORT", "9292")                  # make cluster PROMETHEUS_PORT=9292
-    assert argument_parser().parse_args([]).prometheus_port == 9292

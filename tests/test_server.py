@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import Engine, EngineConfig, SamplingParams
-from client import LLMClient, LLMError, StreamChunk, http_generate_stream
+from client import NO_RETRY, LLMClient, LLMError, StreamChunk, http_generate_stream
 from client.llm_client import build_inputs
 from loadtest.server_metrics import scrape
 from server.launch import TritonServer, free_ports
@@ -379,7 +379,7 @@ def test_prefix_cache_hits_show_in_metrics(server: TritonServer, client: LLMClie
 def test_queue_full_is_unavailable_at_once(model_dir: Path, tmp_path: Path) -> None:
     with TritonServer(*free_ports(3), params={"max_num_seqs": "1", "max_waiting_requests": "1"},
                       log_file=tmp_path / "server.log") as srv:
-        c = LLMClient(srv.grpc_url)
+        c = LLMClient(srv.grpc_url, retry=NO_RETRY)   # the refusal itself, not the client's retries
         long_running = c.stream("A long story:", max_tokens=300, ignore_eos=True, **GREEDY)
         chunks = iter(long_running)        # keep the iterator: dropping it cancels the request
         first = next(chunks)               # running now
@@ -390,7 +390,7 @@ def test_queue_full_is_unavailable_at_once(model_dir: Path, tmp_path: Path) -> N
         with pytest.raises(LLMError) as info:
             list(c.stream("Third:", max_tokens=4, **GREEDY))
         assert time.monotonic() - start < 2.0
-        assert "queue is full" in str(info.value)
+        assert "queue is full" in str(info.value) and info.value.retryable
         # Triton's HTTP generate endpoint reports any model error as 400, with our message.
         body = {"text_input": "Fourth", "sampling_parameters": json.dumps({"max_tokens": 2})}
         request = urllib.request.Request(f"http://{srv.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())

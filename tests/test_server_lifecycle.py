@@ -16,7 +16,7 @@ from typing import IO
 
 import pytest
 
-from client import LLMClient, LLMError
+from client import NO_RETRY, LLMClient, LLMError
 from loadtest.server_metrics import scrape
 from server.launch import REPO_ROOT, TritonServer, free_ports, processes_in_group
 from server.ready import is_ready
@@ -102,8 +102,9 @@ def test_sigterm_drains_every_open_stream_and_leaves_no_process(model_dir: Path,
         launcher.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         assert is_ready(f"127.0.0.1:{http}", metrics_url) == (False, "draining")   # the readiness probe
-        with pytest.raises(LLMError, match="shutting down"):   # no new work once draining
-            client.generate("Are you still taking requests?", max_tokens=4)
+        with pytest.raises(LLMError, match="shutting down") as refused:   # no new work once draining
+            LLMClient(f"127.0.0.1:{grpc}", retry=NO_RETRY).generate("Are you still taking requests?", max_tokens=4)
+        assert refused.value.retryable
         for stream in streams:
             stream.join(DRAIN_TIMEOUT_S + 10)
 
