@@ -1,8 +1,9 @@
 """Error types the engine raises at request submission.
 
 They map one-to-one onto Triton error codes in the serving layer:
-``InvalidRequestError`` -> INVALID_ARG, ``QueueFullError`` and ``ShuttingDownError``
--> UNAVAILABLE, anything else -> INTERNAL.
+``InvalidRequestError`` -> INVALID_ARG, ``QueueFullError``, ``ShuttingDownError`` and
+``EngineUnhealthyError`` -> UNAVAILABLE, anything else -> INTERNAL. Clients retry the
+UNAVAILABLE ones by their text (client/llm_client.py RETRYABLE_MESSAGES).
 """
 
 from __future__ import annotations
@@ -27,6 +28,31 @@ class QueueFullError(RuntimeError):
 
 class ShuttingDownError(RuntimeError):
     """The server is draining (shutdown or model unload): no new requests; retry elsewhere."""
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine failed in a way it cannot isolate (a device error, or steps failing that no
+    request explains): requests in flight end with it and new ones are refused until the
+    server is restarted; retry elsewhere."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"engine is unhealthy ({reason}); retry on another replica")
+        self.reason = reason
+
+
+# CUDA reports errors as RuntimeError (torch.AcceleratorError from torch 2.8 on) with these in
+# the text; after most of them the context is unusable (every later call fails), so a step
+# that hits one cannot be retried without the request that seemed to cause it.
+DEVICE_ERROR_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert",
+                        "an illegal memory access", "unspecified launch failure")
+
+
+def is_device_error(error: BaseException) -> bool:
+    import torch   # here, so that importing the error types stays cheap
+
+    if isinstance(error, getattr(torch, "AcceleratorError", ())):
+        return True
+    return any(marker in str(error) for marker in DEVICE_ERROR_MARKERS)
 
 
 def _shallow_repr(limit: int) -> reprlib.Repr:

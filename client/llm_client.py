@@ -76,10 +76,10 @@ class LLMError(Exception):
         self.replica = replica
 
 
-# The server's UNAVAILABLE refusals (backend/errors.py: ShuttingDownError, QueueFullError).
-# Triton passes a model's error to the client as text only (over HTTP as a 400), so the text is
-# the contract (tests/test_server.py and test_server_lifecycle.py assert both are retryable).
-RETRYABLE_MESSAGES = ("server is shutting down", "waiting queue is full")
+# The server's UNAVAILABLE refusals (backend/errors.py: ShuttingDownError, QueueFullError,
+# EngineUnhealthyError). Triton passes a model's error to the client as text only (over HTTP as
+# a 400), so the text is the contract; the server tests assert each refusal is retryable.
+RETRYABLE_MESSAGES = ("server is shutting down", "waiting queue is full", "engine is unhealthy")
 
 
 def refusal(message: str, replica: str | None = None) -> LLMError:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from client.llm_client import PREFIX_KEY_HEADER, SERVED_BY_HEADER
 from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports, terminate_with_parent
+from server.ready import READY_FAMILY
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
 FALLBACK_PREFIX_BYTES = 256     # of text_input, hashed when a request carries no prefix key
@@ -113,7 +114,7 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
     fastinter = f"{int(HEALTH_CHECK_INTERVAL_S * 250)}ms"
 
     def servers(port_of: str, extra: str = "") -> list[str]:
-        return [f"    server {r.name} {r.host}:{getattr(r, port_of)}{extra} check port {r.http_port} "
+        return [f"    server {r.name} {r.host}:{getattr(r, port_of)}{extra} check port {r.metrics_port} "
                 f"inter {inter} fastinter {fastinter} fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down"
                 for r in replicas]
 
@@ -150,7 +151,11 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
         "    retries 2",
         "    option redispatch 1",
         "    retry-on conn-failure empty-response 503",
-        "    option httpchk GET /v2/health/ready",
+        # Health: the model's own readiness gauge on the metrics port. Triton's /v2/health/ready
+        # stays 200 while the model drains or after its engine failed; llm_ready does not.
+        "    option httpchk",
+        "    http-check send meth GET uri /metrics",
+        f"    http-check expect rstring '{READY_FAMILY}[{{][^}}]*[}}] 1'",
         *(["    default-server init-addr last,libc,none resolvers docker"] if docker_dns else []),
         "",
         "frontend llm_http",
@@ -175,7 +180,7 @@ def haproxy_config(replicas: list[Endpoint], ports: ProxyPorts, balance: str = "
         "backend triton_grpc",
         *balance_lines,
         f"    http-response set-header {SERVED_BY_HEADER} %s",
-        # Health-checked over HTTP/1 on the replica's HTTP port, like the HTTP backend.
+        # Health-checked over HTTP/1 on the replica's metrics port, like the HTTP backend.
         *servers("grpc_port", " proto h2 check-proto h1"),
         "",
         "frontend stats",

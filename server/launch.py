@@ -179,13 +179,16 @@ class TritonServer:
 
     def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  params: dict[str, str] | None = None, log_file: Path | None = None,
-                 supervise: bool = False) -> None:
+                 supervise: bool = False, env: dict[str, str] | None = None) -> None:
+        """``env``: extra environment for tritonserver (e.g. LLM_INJECT_STEP_FAULT in tests)."""
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.params = params or {}
+        self.extra_env = env or {}
         self.log_file = log_file
         self.process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
         self.drain_file: Path | None = None
+        self.unhealthy_file: Path | None = None   # written by the model when its engine is unhealthy
         self.supervise = supervise
         self.restarts = 0
         self._repository = MODEL_REPOSITORY
@@ -219,6 +222,7 @@ class TritonServer:
         terminate_with_parent), then ``finish_start`` from any thread."""
         self._workdir = tempfile.TemporaryDirectory(prefix="llm-server-")
         self.drain_file = Path(self._workdir.name) / "drain"
+        self.unhealthy_file = Path(self._workdir.name) / "unhealthy"
         self._repository = MODEL_REPOSITORY
         if self.params:
             self._repository = repository_with_params(self.params, Path(self._workdir.name))
@@ -253,8 +257,11 @@ class TritonServer:
         if self.drain_file is not None:   # a restarted server starts undrained
             self.drain_file.unlink(missing_ok=True)
             Path(str(self.drain_file) + ".done").unlink(missing_ok=True)
-        env = server_environment()
+        if self.unhealthy_file is not None:
+            self.unhealthy_file.unlink(missing_ok=True)
+        env = {**server_environment(), **self.extra_env}
         env["LLM_DRAIN_FILE"] = str(self.drain_file)   # read by model_repository/llm/1/model.py
+        env["LLM_UNHEALTHY_FILE"] = str(self.unhealthy_file)   # written by it
         env["LLM_SERVER_RESTARTS"] = str(self.restarts)  # exported as llm_server_restarts_total
         self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True,
@@ -269,16 +276,19 @@ class TritonServer:
         return bool(self.stub_pids())
 
     def _supervise(self) -> None:
-        """Restart the server when its stub or the server itself dies. Killing the server
-        ends the dead stub's streams at once (a transport error) instead of leaving them hung."""
+        """Restart the server when its stub or the server itself dies, or when the model reports
+        its engine unhealthy (after answering every stream it had). Killing the server ends a
+        dead stub's streams at once (a transport error) instead of leaving them hung."""
         while not self._stopping.wait(SUPERVISE_INTERVAL_S):
-            if self.process.poll() is None and self.stub_alive():
+            unhealthy = self.unhealthy_file is not None and self.unhealthy_file.exists()
+            if self.process.poll() is None and self.stub_alive() and not unhealthy:
                 continue
             with self._lifecycle:
                 if self._stopping.is_set():
                     return
                 reason = (f"tritonserver exited with {self.process.returncode}" if self.process.poll() is not None
-                          else "the Python backend stub died")
+                          else "the Python backend stub died" if not self.stub_alive()
+                          else f"the engine is unhealthy ({self.unhealthy_file.read_text(errors='replace')})")
                 print(f"supervisor: {reason}; restarting tritonserver", file=sys.stderr, flush=True)
                 self._kill_group()
                 # Back off when restarts come fast (a model that cannot load): 0, 1, 2, 4 ... 60 s.

@@ -12,6 +12,7 @@ from typing import Any
 
 from backend.engine.engine import EngineStats
 from backend.engine.loop import LatencySample
+from server.ready import READY_FAMILY
 
 # Seconds. Dense at the low end, where a CPU or GPU decode step lives.
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -95,13 +96,29 @@ class EngineMetrics:
         self._families[name] = family(name=name, description=description, kind=getattr(family, kind))
         return self._families[name]
 
+    def _readiness_gauges(self) -> None:
+        if hasattr(self, "_ready"):
+            return
+        self._draining = self._family("llm_draining", "1 while the model drains for shutdown (refuses new requests)",
+                                      "GAUGE").Metric(labels=self._labels)
+        self._healthy = self._family("llm_engine_healthy", "0 once the engine failed in a way it cannot isolate "
+                                     "(refuses requests until the server restarts)", "GAUGE").Metric(labels=self._labels)
+        # The one signal a proxy's health check reads (HAProxy's, server/cluster.py) and
+        # server/ready.py's probe: taking new requests = not draining and healthy.
+        self._ready = self._family(READY_FAMILY, "1 while the model takes new requests (not draining, engine healthy)",
+                                   "GAUGE").Metric(labels=self._labels)
+        self._is_draining, self._is_healthy = False, True
+
     def set_draining(self, draining: bool) -> None:
         """1 from the start of a drain (shutdown/unload): a readiness probe turns not-ready on it."""
-        if not hasattr(self, "_draining"):
-            family = self._family("llm_draining", "1 while the model drains for shutdown (refuses new requests)",
-                                  "GAUGE")
-            self._draining = family.Metric(labels=self._labels)
-        self._draining.set(1 if draining else 0)
+        self._readiness_gauges()
+        self._is_draining = draining
+        self._publish_readiness()
+
+    def _publish_readiness(self) -> None:
+        self._draining.set(1 if self._is_draining else 0)
+        self._healthy.set(1 if self._is_healthy else 0)
+        self._ready.set(1 if self._is_healthy and not self._is_draining else 0)
 
     def count_server_restarts(self, restarts: int) -> None:
         """Counter of supervisor restarts of this server (a dead stub or server), set once at start."""
@@ -117,6 +134,10 @@ class EngineMetrics:
         self._finished[reason].increment(1)
 
     def update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int) -> None:
+        self._readiness_gauges()
+        if self._is_healthy != (stats.health_error is None):
+            self._is_healthy = stats.health_error is None
+            self._publish_readiness()
         used = stats.kv_blocks_total - stats.kv_blocks_free
         for name, (_, field) in GAUGES.items():
             self._gauges[name].set(used if field is None else getattr(stats, field))

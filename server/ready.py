@@ -1,7 +1,8 @@
-"""Readiness probe: exit 0 when the model is ready *and* not draining, 1 otherwise.
+"""Readiness probe: exit 0 when the model is ready *and* takes new requests (``llm_ready``:
+not draining, engine healthy), 1 otherwise.
 
-Triton's own /v2/health/ready stays 200 while our model drains (Triton does not know), so a
-Kubernetes readiness probe that must turn not-ready at the start of a drain runs this:
+Triton's own /v2/health/ready stays 200 while our model drains or after its engine failed
+(Triton does not know), so a Kubernetes readiness probe runs this:
 
     python -m server.ready [--http 127.0.0.1:8000] [--metrics http://127.0.0.1:8002/metrics]
 """
@@ -15,6 +16,10 @@ import urllib.request
 
 from server.launch import MODEL_NAME
 
+# The model's gauge: 1 while it takes new requests (server/metrics.py sets it). HAProxy's
+# health check (server/cluster.py) and this probe read it.
+READY_FAMILY = "llm_ready"
+
 
 def is_ready(http: str, metrics_url: str, timeout: float = 2.0) -> tuple[bool, str]:
     try:
@@ -25,10 +30,18 @@ def is_ready(http: str, metrics_url: str, timeout: float = 2.0) -> tuple[bool, s
             text = response.read().decode()
     except (urllib.error.URLError, OSError) as exc:
         return False, f"unreachable: {exc}"
+    values = {}
     for line in text.splitlines():
-        if line.startswith("llm_draining{") and float(line.rsplit(" ", 1)[1]) != 0:
-            return False, "draining"
-    return True, "ready"
+        name = line.split("{", 1)[0]
+        if name in (READY_FAMILY, "llm_draining", "llm_engine_healthy"):
+            values[name] = float(line.rsplit(" ", 1)[1])
+    if values.get(READY_FAMILY) == 1:
+        return True, "ready"
+    if values.get("llm_draining"):
+        return False, "draining"
+    if values.get("llm_engine_healthy") == 0:
+        return False, "engine unhealthy"
+    return False, "not ready"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,9 @@ from typing import IO
 
 import pytest
 
+from backend.worker.fault_injection import FAULT_FILE_ENV
 from client import NO_RETRY, LLMClient, LLMError
-from loadtest.server_metrics import scrape
+from loadtest.server_metrics import scrape, value
 from server.launch import REPO_ROOT, TritonServer, free_ports, processes_in_group
 from server.ready import is_ready
 
@@ -176,3 +177,59 @@ def test_a_killed_stub_ends_its_streams_and_the_server_recovers(model_dir: Path,
         assert restarts == [1]
     finally:
         server.stop()
+
+
+def test_an_unhealthy_engine_turns_not_ready_and_the_supervisor_restarts_it(model_dir: Path, tmp_path: Path) -> None:
+    """Injected: every engine step fails (LLM_INJECT_STEP_FAULT), as on a broken device. After a
+    few steps that failed all their requests the engine is unhealthy: requests are refused as
+    retryable, llm_ready and llm_engine_healthy read 0 (what HAProxy's health check and
+    server/ready.py look at), the log says why, and the supervisor restarts the server."""
+    fault = tmp_path / "fault"
+    with TritonServer(*free_ports(3), supervise=True, env={FAULT_FILE_ENV: str(fault)},
+                      log_file=tmp_path / "server.log") as server:
+        client = LLMClient(server.grpc_url, retry=NO_RETRY)
+        assert client.generate("Before the fault:", max_tokens=2).num_output_tokens == 2
+        assert is_ready(server.http_url, server.metrics_url) == (True, "ready")
+
+        readiness: list[tuple[float | None, float | None, str]] = []
+        watching = threading.Event()
+
+        def watch() -> None:   # the not-ready window lasts until the supervisor restarts the server
+            while not watching.wait(0.03):
+                try:
+                    values = scrape(server.metrics_url)
+                except Exception:  # noqa: BLE001 - the server is restarting
+                    continue
+                readiness.append((value(values, "llm_ready"), value(values, "llm_engine_healthy"),
+                                  is_ready(server.http_url, server.metrics_url)[1]))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        fault.touch()
+        errors: list[LLMError] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(e.retryable for e in errors):
+            try:
+                for item in client.stream_many(["one", "two"], {"max_tokens": 8, "ignore_eos": True}):
+                    if isinstance(item, tuple):
+                        errors.append(item[1])
+            except Exception as exc:  # noqa: BLE001 - the supervisor may already be restarting it
+                errors.append(LLMError(repr(exc)))
+                break
+        fault.unlink()
+        refused = [e for e in errors if "engine is unhealthy" in str(e)]
+        assert refused and all(e.retryable for e in refused), [str(e) for e in errors]
+        assert any("injected step fault" in str(e) for e in errors), [str(e) for e in errors]
+
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (server.restarts >= 1 and is_ready(server.http_url,
+                                                                                    server.metrics_url)[0]):
+            time.sleep(0.2)
+        watching.set()
+        watcher.join()
+        assert server.restarts == 1
+        assert (0.0, 0.0, "engine unhealthy") in readiness, readiness
+        assert client.generate("After the restart:", max_tokens=2).num_output_tokens == 2
+        assert value(scrape(server.metrics_url), "llm_ready") == 1.0
+    log = (tmp_path / "server.log").read_text()
+    assert "engine is unhealthy" in log and "steps in a row failed every request" in log

@@ -5,12 +5,14 @@ produced, and no KV block (or stale prefix-cache entry) is left behind."""
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import pytest
 
-from backend import Engine, EngineConfig, SamplingParams
+from backend import Engine, EngineConfig, EngineUnhealthyError, FinishReason, SamplingParams
 from backend.core.request import Request
+from backend.engine.engine import MAX_FAILED_STEPS_IN_A_ROW
 from backend.engine.loop import EngineLoop, EngineStepError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -27,9 +29,18 @@ def no_fault(engine: Engine):
     engine.runner.fault_hook = None
     yield
     engine.runner.fault_hook = None
+    # The module's engine is shared: heal what a health test left behind.
+    engine.health_error, engine._failed_steps_in_a_row = None, 0
     engine.check_invariants()
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def fail_when(request_id: str, min_output_tokens: int = 0):
@@ -189,5 +200,75 @@ def test_the_loop_sends_the_culprit_an_error_and_the_others_their_text(engine: E
             if item.finished:
                 break
         assert tokens == expected
+    finally:
+        loop.stop()
+
+
+# --- engine health: failures the engine cannot isolate ------------------------------------------
+
+def always_fail(requests: list[Request]) -> None:
+    raise RuntimeError("the device stopped answering")
+
+
+def test_steps_that_fail_every_request_in_a_row_make_the_engine_unhealthy(engine: Engine,
+                                                                          prose_ids: list[int]) -> None:
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.runner.fault_hook = always_fail
+    for attempt in range(MAX_FAILED_STEPS_IN_A_ROW):
+        assert engine.health_error is None, f"unhealthy after {attempt} failed steps"
+        finals = run(engine, {f"r{attempt}-{i}": prose_ids[i * 10:i * 10 + 8] for i in range(2)},
+                     {f"r{attempt}-{i}": params for i in range(2)})
+        assert all(f.finish_reason is FinishReason.ERROR for f in finals.values())
+    assert engine.health_error is not None and "device stopped answering" in engine.health_error
+    assert engine.stats().health_error == engine.health_error
+
+
+def test_a_good_step_between_failures_keeps_the_engine_healthy(engine: Engine, prose_ids: list[int]) -> None:
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    for round_ in range(2 * MAX_FAILED_STEPS_IN_A_ROW):
+        engine.runner.fault_hook = fail_when(f"bad{round_}")   # a poisoned request, alone in its step
+        run(engine, {f"bad{round_}": prose_ids[:8]}, {f"bad{round_}": params})
+        engine.runner.fault_hook = None
+        run(engine, {f"good{round_}": prose_ids[:8]}, {f"good{round_}": params})
+    assert engine.health_error is None
+
+
+def test_a_device_error_makes_the_engine_unhealthy_at_once(engine: Engine, prose_ids: list[int]) -> None:
+    def cuda_error(requests: list[Request]) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.runner.fault_hook = cuda_error
+    engine.add_request("victim", prose_ids[:8], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        engine.step()
+    assert engine.health_error is not None and "illegal memory access" in engine.health_error
+    engine.abort("victim")
+    engine.runner.fault_hook = None
+    engine.step()
+
+
+def test_the_loop_refuses_everything_once_the_engine_is_unhealthy(engine: Engine, prose_ids: list[int]) -> None:
+    loop = EngineLoop(engine).start()
+    try:
+        engine.runner.fault_hook = always_fail
+        streams = {name: queue.Queue() for name in ("a", "b", "c")}
+        for i, (name, stream) in enumerate(streams.items()):
+            loop.submit(name, prose_ids[i * 10:i * 10 + 8], SamplingParams(max_tokens=50, **GREEDY), stream.put)
+        ends = {name: stream.get(timeout=60) for name, stream in streams.items()}
+        # Each failed step takes its requests with it; the third leaves the engine unhealthy.
+        deadline = time.monotonic() + 30
+        while loop.health_error is None and time.monotonic() < deadline:
+            late = queue.Queue()
+            try:
+                loop.submit(f"late-{time.monotonic()}", prose_ids[:8], SamplingParams(max_tokens=4, **GREEDY), late.put)
+            except EngineUnhealthyError:
+                break
+            assert isinstance(late.get(timeout=60), (EngineStepError, EngineUnhealthyError))
+        assert loop.health_error is not None
+        assert all(isinstance(end, (EngineStepError, EngineUnhealthyError)) for end in ends.values()), ends
+        engine.runner.fault_hook = None      # even with the device back, the engine stays refused
+        with pytest.raises(EngineUnhealthyError, match="engine is unhealthy .*retry on another replica"):
+            loop.submit("after", prose_ids[:8], SamplingParams(max_tokens=4, **GREEDY), queue.Queue().put)
+        assert wait_until(lambda: loop.stats.health_error is not None)
     finally:
         loop.stop()

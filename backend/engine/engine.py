@@ -22,7 +22,7 @@ from backend.core.scheduler import Scheduler, SchedulerOutput
 from backend.core.step_cost import StepCostModel
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.validation import Prompt, RequestValidator
-from backend.errors import InvalidRequestError, QueueFullError
+from backend.errors import InvalidRequestError, QueueFullError, is_device_error
 from backend.model.architecture import ModelArchitecture
 from backend.outputs import FinishReason, Logprob, RequestOutput
 from backend.sample.constraints import AllowedTokenIds
@@ -33,6 +33,11 @@ from backend.worker.model_runner import ModelRunner
 from backend.worker.step_calibration import CalibrationRow, calibrate, calibration_shapes
 
 logger = logging.getLogger(__name__)
+
+# A step whose requests all failed (alone or together) ends them and the engine goes on: a
+# poisoned request, or a transient fault. This many in a row, with no good step between,
+# mark the engine unhealthy.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 @dataclass
@@ -66,6 +71,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
     spec_verifications: int = 0
+    health_error: str | None = None  # why the engine is unhealthy (Engine.health_error); None = healthy
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -128,6 +134,11 @@ class Engine:
         self.generation_tokens_total = 0
         self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
                             "spec_verifications": 0}
+        # Set once the engine cannot be trusted any more (a device error, or
+        # MAX_FAILED_STEPS_IN_A_ROW steps that failed all their requests); the serving layer
+        # then refuses requests and its supervisor restarts the server.
+        self.health_error: str | None = None
+        self._failed_steps_in_a_row = 0
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -221,9 +232,14 @@ class Engine:
         try:
             sampling, sampled = self._run_batch(computed, sched)
         except Exception as exc:  # noqa: BLE001 - isolated below
+            if is_device_error(exc):   # the device is unusable: nothing to isolate, no point retrying
+                self.health_error = f"device error: {exc!r}"
+                raise
             logger.warning("engine step failed (%r); isolating the requests responsible", exc)
             computed, sampling, sampled = self._isolate_failure(sched, exc, rng, outputs)
             failed = True
+        if not failed:
+            self._failed_steps_in_a_row = 0
         for request in computed:
             self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
                                                    request.num_prompt_tokens - request.num_computed_tokens))
@@ -324,6 +340,11 @@ class Engine:
             # the step's requests fail, the queue goes on.
             logger.error("engine step failed and no single request explains it: %r", error)
             culprits = {r.request_id: error for r in sched.requests}
+        # A step in which every request failed, alone or together, says as much about the
+        # engine as about them: a few in a row (and no good step between) is a broken engine.
+        self._failed_steps_in_a_row = self._failed_steps_in_a_row + 1 if len(culprits) == len(sched.requests) else 0
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            self.health_error = f"{self._failed_steps_in_a_row} steps in a row failed every request, last with {error!r}"
         # Blocks this step was to write: once nobody who would write them holds them, their
         # prefix-cache entries must go (nothing valid is behind them).
         pending = [b for r in sched.requests for b in self.kv_cache.uncomputed_blocks(r)]
@@ -467,7 +488,7 @@ class Engine:
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            **self.spec_counts)
+            health_error=self.health_error, **self.spec_counts)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent."""

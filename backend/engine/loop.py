@@ -28,9 +28,10 @@ from backend.config import EngineConfig
 from backend.engine.engine import Engine, EngineStats, load_tokenizer
 from backend.engine.parallel_sampling import ParallelOutput, ParentRequest, child_params
 from backend.engine.validation import Prompt, ValidatedPrompt
-from backend.errors import QueueFullError, ShuttingDownError
+from backend.errors import EngineUnhealthyError, QueueFullError, ShuttingDownError
 from backend.outputs import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
+from backend.worker.fault_injection import install_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def build_engine(config: EngineConfig) -> Engine:
     thread.join()
     if failed:
         raise failed[0]
+    install_from_environment(built[0].runner)   # LLM_INJECT_STEP_FAULT: health tests, chaos runs
     return built[0]
 
 
@@ -125,6 +127,9 @@ class EngineLoop:
         self._drain_deadline: float | None = None   # monotonic time; set once draining
         self._idle = threading.Event()              # set while no request is in flight
         self._children: dict[str, list[str]] = {}   # n > 1: parent id -> child ids, until it ends
+        # Written once by the loop thread when the engine turns unhealthy, read by any: from
+        # then on every request is refused (EngineUnhealthyError) until the server restarts.
+        self.health_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Loop-thread state.
         self._malloc_trim = _load_malloc_trim()
@@ -162,6 +167,8 @@ class EngineLoop:
         with self._cond:
             if self._stopping or self._drain_deadline is not None:
                 raise ShuttingDownError("server is shutting down; retry on another replica")
+            if self.health_error is not None:
+                raise EngineUnhealthyError(self.health_error)
             # The engine's own queue length is read without its thread's cooperation; it is an
             # estimate, and the engine re-checks when the command is applied.
             waiting = self._num_pending_submits + len(self.engine.scheduler.waiting)
@@ -255,9 +262,9 @@ class EngineLoop:
             steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # keep serving: fail what was in flight, not the server
+            except Exception as exc:  # noqa: BLE001 - the engine could not isolate it
                 logger.exception("engine step failed")
-                self._fail_all(EngineStepError(f"engine step failed: {exc!r}"))
+                self._become_unhealthy(self.engine.health_error or f"a failed step could not be isolated: {exc!r}")
                 continue
             nothing_ran = self.engine.num_steps == steps_before and not outputs
             if not nothing_ran:
@@ -269,6 +276,8 @@ class EngineLoop:
                 if self.engine.config.step_trace_path:
                     self._trace_step(started, time.monotonic() - started)
             self._deliver(outputs)
+            if self.engine.health_error is not None and self.health_error is None:
+                self._become_unhealthy(self.engine.health_error)
             self.stats = self.engine.stats()
             if nothing_ran:
                 with self._cond:
@@ -296,6 +305,9 @@ class EngineLoop:
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):
             self.engine.abort(command.request_id)
+            return
+        if self.health_error is not None:   # queued before the engine turned unhealthy
+            command.callback(EngineUnhealthyError(self.health_error))
             return
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
@@ -339,6 +351,14 @@ class EngineLoop:
             self.engine.abort(request_id, message)
         self._deliver(self.engine.step())
         self.stats = self.engine.stats()
+
+    def _become_unhealthy(self, reason: str) -> None:
+        """Refuse everything from now on and end what is in flight with the reason; the
+        serving layer reports not-ready and its supervisor restarts the server."""
+        self.engine.health_error = reason
+        self.health_error = reason
+        logger.error("engine is unhealthy: %s; refusing requests until the server is restarted", reason)
+        self._fail_all(EngineUnhealthyError(reason))
 
     def _fail_all(self, error: BaseException) -> None:
         callbacks = dict(self._callbacks)

@@ -37,8 +37,8 @@ import triton_python_backend_utils as pb_utils
 PROJECT_ROOT = Path(os.environ.get("LLM_PROJECT_ROOT", Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from backend import (EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams,
-                     ShuttingDownError)
+from backend import (EngineConfig, EngineUnhealthyError, InvalidRequestError, QueueFullError, RequestOutput,
+                     SamplingParams, ShuttingDownError)
 from backend.engine.loop import EngineLoop, build_engine
 from backend.engine.parallel_sampling import ParallelOutput
 from server import vllm_protocol
@@ -53,6 +53,11 @@ UNLOAD_CONFIRM_POLLS = 3
 # Set by the launcher (server/launch.py): when this file appears the model drains, and it
 # writes DRAIN_FILE + ".done" once nothing is in flight; only then is tritonserver signalled.
 DRAIN_FILE_ENV = "LLM_DRAIN_FILE"
+# Also set by the launcher: the model writes this file (the reason) once its engine turned
+# unhealthy and the streams it failed have been answered; the supervisor then restarts it.
+UNHEALTHY_FILE_ENV = "LLM_UNHEALTHY_FILE"
+# UNAVAILABLE: refused before any work, worth retrying elsewhere or later.
+REFUSALS = (QueueFullError, ShuttingDownError, EngineUnhealthyError)
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_num_cached_tokens", "return_logprobs",
                "return_cumulative_logprob")
@@ -122,6 +127,8 @@ class TritonPythonModel:
         self._unload_seen = False
         self._drain_file = os.environ.get(DRAIN_FILE_ENV) or None
         self._drain_reported = False
+        self._unhealthy_file = os.environ.get(UNHEALTHY_FILE_ENV) or None
+        self._unhealthy_reported = False
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._poller = threading.Thread(target=self._poll_loop, name="llm-poller", daemon=True)
         self._sender.start()
@@ -135,7 +142,7 @@ class TritonPythonModel:
                 self._submit(request, sender)
             except InvalidRequestError as exc:
                 self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-            except (QueueFullError, ShuttingDownError) as exc:
+            except REFUSALS as exc:
                 self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
             except Exception as exc:  # noqa: BLE001 - one bad request must not disturb the rest
                 logger.exception("failed to submit a request")
@@ -213,7 +220,7 @@ class TritonPythonModel:
     def _send_response(self, stream: _Stream, result: Result) -> None:
         final = isinstance(result, BaseException) or result.finished
         if isinstance(result, BaseException):
-            code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, (QueueFullError, ShuttingDownError)) else
+            code = (pb_utils.TritonError.UNAVAILABLE if isinstance(result, REFUSALS) else
                     pb_utils.TritonError.INVALID_ARG if isinstance(result, InvalidRequestError) else
                     pb_utils.TritonError.INTERNAL)
             if code == pb_utils.TritonError.INTERNAL:
@@ -296,6 +303,9 @@ class TritonPythonModel:
             if (self.loop.draining and not self._drain_reported and self.loop.wait_idle(0)
                     and self._outbox.empty() and not self._streams):
                 self._report_drained()
+            if (self.loop.health_error is not None and not self._unhealthy_reported and self._outbox.empty()
+                    and not self._streams):
+                self._report_unhealthy(self.loop.health_error)
             if not self._unload_seen:
                 self._check_cancellations()
             try:
@@ -331,6 +341,11 @@ class TritonPythonModel:
         logger.warning("drained: no request in flight")
         if self._drain_file is not None:
             Path(self._drain_file + ".done").touch()
+
+    def _report_unhealthy(self, reason: str) -> None:
+        self._unhealthy_reported = True
+        if self._unhealthy_file is not None:
+            Path(self._unhealthy_file).write_text(reason)
 
     def _unloading(self) -> bool:
         """Triton marks the model not-ready as soon as it starts unloading it (SIGTERM, or an
