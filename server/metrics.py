@@ -7,6 +7,7 @@ as Prometheus counters by incrementing with the difference since the last update
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any
 
@@ -69,6 +70,8 @@ class EngineMetrics:
     def __init__(self, pb_utils: Any, model: str, version: str) -> None:
         self._pb = pb_utils
         self._labels = {"model": model, "version": version}
+        self._lock = threading.Lock()           # the publisher and the sender thread both update
+        self._published: EngineStats | None = None
         # Families must outlive their metrics (Triton invalidates a metric whose family is
         # garbage-collected), so they are kept here.
         self._families: dict[str, Any] = {}
@@ -111,9 +114,10 @@ class EngineMetrics:
 
     def set_draining(self, draining: bool) -> None:
         """1 from the start of a drain (shutdown/unload): a readiness probe turns not-ready on it."""
-        self._readiness_gauges()
-        self._is_draining = draining
-        self._publish_readiness()
+        with self._lock:
+            self._readiness_gauges()
+            self._is_draining = draining
+            self._publish_readiness()
 
     def _publish_readiness(self) -> None:
         self._draining.set(1 if self._is_draining else 0)
@@ -129,11 +133,21 @@ class EngineMetrics:
             self._restarts.increment(restarts)
 
     def count_finished(self, reason: str) -> None:
-        if reason not in self._finished:
-            self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
-        self._finished[reason].increment(1)
+        with self._lock:
+            if reason not in self._finished:
+                self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
+            self._finished[reason].increment(1)
 
     def update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int) -> None:
+        """Publish a statistics snapshot and the latency samples queued since the last call.
+        Called by the publisher thread every 0.1 s and by the sender before a final response."""
+        with self._lock:
+            if stats is self._published and not samples:
+                return     # the loop has not replaced its snapshot since
+            self._published = stats
+            self._update(stats, samples, block_size)
+
+    def _update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int) -> None:
         self._readiness_gauges()
         if self._is_healthy != (stats.health_error is None):
             self._is_healthy = stats.health_error is None

@@ -5,6 +5,7 @@ admission control and metrics."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -354,6 +355,54 @@ def test_metrics_families_after_traffic(server: TritonServer, client: LLMClient)
             after[f"{ours}{labels}"]
     assert wait_for(lambda: kv_used(server) == 0, 2)
     assert after[f"llm_kv_blocks_free{labels}"] + after[f"llm_kv_blocks_used{labels}"] == total
+
+
+FRESHNESS_BOUND_S = 0.5   # counters and gauges reach /metrics within this of the step that changed them
+
+
+def test_metrics_are_fresh(server: TritonServer, client: LLMClient) -> None:
+    """How it is measured: (1) requests that finished are counted when their final response
+    arrives: one scrape right after it, no waiting (the vLLM backend's CI does this); (2)
+    mid-stream, from a chunk's arrival at the client (just after the step that made it) until
+    a scrape shows its tokens: at most FRESHNESS_BOUND_S; (3) after an HTTP client hangs up,
+    once llm_num_requests_running reads 0 no more tokens are counted."""
+    labels = '{model="llm",version="1"}'
+    length = 'llm_request_finished_total{finish_reason="length",model="llm",version="1"}'
+    before = metrics(server)
+    finals = [c for c in client.stream_many([f"Question {i}:" for i in range(6)],
+                                            {"max_tokens": 16, "ignore_eos": True, **GREEDY})
+              if not isinstance(c, tuple) and c.final]
+    after = metrics(server)    # at once
+    assert len(finals) == 6
+    assert after.get(length, 0) - before.get(length, 0) == 6
+    assert after[f"llm_generation_tokens_total{labels}"] - before[f"llm_generation_tokens_total{labels}"] == 96
+    assert after[f"llm_e2e_request_latency_seconds_count{labels}"] - \
+        before[f"llm_e2e_request_latency_seconds_count{labels}"] == 6
+
+    base = metric(server, "llm_generation_tokens_total")
+    received, lags = 0, []
+    for chunk in client.stream("A long answer:", max_tokens=120, ignore_eos=True, **GREEDY):
+        arrived = time.monotonic()
+        received += chunk.num_output_tokens
+        if len(lags) < 4 and received >= 20 * (len(lags) + 1):
+            assert wait_for(lambda: metric(server, "llm_generation_tokens_total") >= base + received, 5)
+            lags.append(time.monotonic() - arrived)
+            assert metric(server, "llm_num_requests_running") == 1
+    assert len(lags) == 4 and max(lags) <= FRESHNESS_BOUND_S, lags
+
+    body = json.dumps({"text_input": "Talk for a long time:", "stream": True,
+                       "sampling_parameters": json.dumps({"max_tokens": 2000, "ignore_eos": True})}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.http_port))
+    sock.sendall(f"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    seen = b""
+    while seen.count(b"data:") < 5:
+        seen += sock.recv(65536)
+    sock.close()
+    assert wait_for(lambda: metric(server, "llm_num_requests_running") == 0, 5)
+    stopped_at = metric(server, "llm_generation_tokens_total")
+    time.sleep(1.5)
+    assert metric(server, "llm_generation_tokens_total") == stopped_at, "tokens counted after the request ended"
 
 
 def test_speculative_decoding_shows_in_metrics(server: TritonServer, client: LLMClient, engine: Engine) -> None:

@@ -275,10 +275,13 @@ class EngineLoop:
                     self.latency_samples.append(LatencySample("step_prediction_error", record.prediction_error))
                 if self.engine.config.step_trace_path:
                     self._trace_step(started, time.monotonic() - started)
+            # The snapshot first: whoever sees an output (a final response, and a client that
+            # then reads /metrics) finds its step already in the statistics.
+            self.stats = self.engine.stats()
             self._deliver(outputs)
             if self.engine.health_error is not None and self.health_error is None:
                 self._become_unhealthy(self.engine.health_error)
-            self.stats = self.engine.stats()
+                self.stats = self.engine.stats()
             if nothing_ran:
                 with self._cond:
                     if not self._inbox and not self._stopping:

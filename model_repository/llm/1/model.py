@@ -131,8 +131,10 @@ class TritonPythonModel:
         self._unhealthy_reported = False
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._poller = threading.Thread(target=self._poll_loop, name="llm-poller", daemon=True)
+        self._publisher = threading.Thread(target=self._publish_loop, name="llm-metrics", daemon=True)
         self._sender.start()
         self._poller.start()
+        self._publisher.start()
 
     # ---- Triton's thread --------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -209,6 +211,9 @@ class TritonPythonModel:
         final = isinstance(result, BaseException) or result.finished
         if final:
             stream.mark_done()   # no cancellation check on this sender from now on
+            # A client that scrapes /metrics as soon as its request ended finds it counted
+            # (the loop's statistics include the step that ended it before it is delivered).
+            self._publish_metrics()
             try:
                 self._send_response(stream, result)
             finally:   # out of the live streams only once sent (the drain waits for it)
@@ -308,10 +313,20 @@ class TritonPythonModel:
                 self._report_unhealthy(self.loop.health_error)
             if not self._unload_seen:
                 self._check_cancellations()
-            try:
-                self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size)
-            except Exception:  # noqa: BLE001 - metrics must never take the server down
-                logger.exception("metrics update failed")
+
+    def _publish_loop(self) -> None:
+        """Metrics on a thread of their own: a cancellation check that blocks (it is a round
+        trip to Triton per stream) must not leave them stale."""
+        while not self._stop.wait(POLL_INTERVAL_S):
+            self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        """Push the loop's latest statistics (EngineMetrics.update skips a snapshot it has
+        already published, so calling this often is cheap)."""
+        try:
+            self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size)
+        except Exception:  # noqa: BLE001 - metrics must never take the server down
+            logger.exception("metrics update failed")
 
     def _check_cancellations(self) -> None:
         with self._lock:
@@ -366,13 +381,14 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._stop.set()
         self._poller.join(5)
+        self._publisher.join(5)
         self.loop.stop()            # every open stream gets its final ("abort") output
         self._outbox.put(None)      # ...which the sender flushes before it exits
         self._sender.join(30)
         # Metric families released now, while the stub can still write to Triton's shared
         # memory: left to the stub's own teardown, their destructors ran after it had gone
         # and the stub segfaulted on every shutdown (after the drain; no request was affected).
-        if not self._sender.is_alive() and not self._poller.is_alive():
+        if not any(t.is_alive() for t in (self._sender, self._poller, self._publisher)):
             self.metrics = None
 
 
