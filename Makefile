@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-cluster model serve cluster test loadtest loadtest-compare soak clean-model
+.PHONY: setup setup-cluster model serve cluster test loadtest loadtest-compare soak chaos clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -80,6 +80,14 @@ loadtest-compare: setup model
 # request's outcome go to runs/<time>-soak/soak.md. Optional: RATE=2.0 (requests/s).
 soak: setup model
 	$(PY) -m loadtest.soak $(if $(DURATION),--duration $(DURATION)) $(if $(RATE),--rate $(RATE))
+
+# Chaos soak (docs/reliability.md): the Locust mix through HAProxy against REPLICAS=2 supervised
+# replicas for DURATION=10m while a seeded schedule (SEED=1) SIGKILLs their tritonserver or
+# Python stub and drains and restarts them; every request accounted for in
+# runs/<time>-chaos/chaos.md. Optional: RATE=1.5 (requests/s), EVERY=30 (seconds between faults).
+chaos: setup model setup-cluster
+	$(PY) -m loadtest.chaos $(if $(DURATION),--duration $(DURATION)) $(if $(REPLICAS),--replicas $(REPLICAS)) \
+		$(if $(SEED),--seed $(SEED)) $(if $(RATE),--rate $(RATE)) $(if $(EVERY),--every $(EVERY))
 
 clean-model:
 	rm -rf $(MODEL_DIR)

@@ -77,9 +77,11 @@ class LLMError(Exception):
 
 
 # The server's UNAVAILABLE refusals (backend/errors.py: ShuttingDownError, QueueFullError,
-# EngineUnhealthyError). Triton passes a model's error to the client as text only (over HTTP as
+# EngineUnhealthyError), and Triton's for a model that is not there right now. Triton passes a model's error to the client as text only (over HTTP as
 # a 400), so the text is the contract; the server tests assert each refusal is retryable.
-RETRYABLE_MESSAGES = ("server is shutting down", "waiting queue is full", "engine is unhealthy")
+RETRYABLE_MESSAGES = ("server is shutting down", "waiting queue is full", "engine is unhealthy",
+                      # Triton's own, while the model is unloading or loading, and after its stub died
+                      "has no available versions", "Stub process")
 
 
 def refusal(message: str, replica: str | None = None) -> LLMError:

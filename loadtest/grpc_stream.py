@@ -14,7 +14,7 @@ from typing import Any
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from client.llm_client import build_inputs, parse_result, routing_headers
+from client.llm_client import RETRYABLE_MESSAGES, RetryPolicy, build_inputs, parse_result, routing_headers
 from loadtest.records import CANCELLED, FAILED, INTERRUPTED, OK, RequestRecord
 from loadtest.workload import RequestSpec
 
@@ -25,6 +25,15 @@ class TritonRequestError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(message or "unknown error (empty message)")
+
+
+def refused_before_any_work(error: BaseException) -> bool:
+    """A request that got no response yet and this error can be sent again: the server refused
+    it (draining, unhealthy, queue full), or the stream broke (its replica went away, the proxy
+    had none up). Nothing reached the client, so nothing is repeated."""
+    if isinstance(error, InferenceServerException) and error.status():
+        return True      # a transport error: the stream itself broke
+    return any(marker in str(describe(error)) for marker in RETRYABLE_MESSAGES)
 
 
 def describe(error: BaseException) -> str:
@@ -45,9 +54,10 @@ class UserStream:
     than the open stream's opens a new stream."""
 
     def __init__(self, url: str, model: str = "llm", request_timeout: float = 600.0,
-                 send_prefix_key: bool = False) -> None:
+                 send_prefix_key: bool = False, retry: RetryPolicy = RetryPolicy()) -> None:
         self.url, self.model, self.request_timeout = url, model, request_timeout
         self.send_prefix_key = send_prefix_key
+        self.retry = retry
         self._client = grpcclient.InferenceServerClient(url)
         self._events: queue.Queue[tuple[float, Any, BaseException | None]] | None = None
         self._stream_key: str | None = None
@@ -76,6 +86,18 @@ class UserStream:
         self._close_stream(cancel=True)
         self._client.close()
 
+    def _send(self, spec: RequestSpec, key: str | None) -> queue.Queue:
+        """Send ``spec`` on the user's stream, opening one when there is none, the prefix key
+        changed, or the open one broke while idle (its break is then the only event queued)."""
+        if self._events is not None and (key != self._stream_key or not self._events.empty()):
+            self._close_stream(cancel=False)    # nothing in flight on it: one request at a time
+        events = self._events or self._open(key)
+        # enable_empty_final_response: Triton marks the end of every stream, even when the
+        # model's last response carried data or the model only sent the FINAL flag.
+        self._client.async_stream_infer(self.model, build_inputs(spec.prompt, spec.sampling()),
+                                        request_id=spec.request_id, enable_empty_final_response=True)
+        return events
+
     def run(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Send ``spec`` and fill ``record`` in place as responses arrive (so that a caller
         interrupted mid-request still holds what was measured)."""
@@ -83,18 +105,18 @@ class UserStream:
         record.sent_at = time.time()
         try:
             key = spec.prefix_key if self.send_prefix_key else None
-            if self._events is not None and key != self._stream_key:
-                self._close_stream(cancel=False)    # nothing in flight on it: one request at a time
-            events = self._events or self._open(key)
-            # enable_empty_final_response: Triton marks the end of every stream, even when the
-            # model's last response carried data or the model only sent the FINAL flag.
-            self._client.async_stream_infer(self.model, build_inputs(spec.prompt, spec.sampling()),
-                                            request_id=spec.request_id, enable_empty_final_response=True)
+            events = self._send(spec, key)
             while True:
                 arrived, result, error = events.get(timeout=max(0.0, deadline - time.monotonic()))
                 if error is not None:
-                    self._finish(record, FAILED, arrived, error=describe(error))
                     self._close_stream(cancel=True)
+                    if (not record.responses and record.retries < self.retry.retries
+                            and refused_before_any_work(error)):
+                        time.sleep(self.retry.backoff_s(record.retries))
+                        record.retries += 1
+                        events = self._send(spec, key)
+                        continue
+                    self._finish(record, FAILED, arrived, error=describe(error))
                     return
                 chunk = parse_result(spec.request_id, result)
                 if chunk.text or chunk.num_output_tokens:

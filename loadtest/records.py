@@ -36,6 +36,7 @@ class RequestRecord:
     prompt_tokens: int | None = None     # the server's num_input_tokens
     cached_tokens: int | None = None     # the server's num_cached_tokens
     error: str | None = None
+    retries: int = 0                     # refusals before the first token, sent again (RetryPolicy)
 
     @property
     def output_tokens(self) -> int:

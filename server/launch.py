@@ -115,6 +115,8 @@ def server_environment() -> dict[str, str]:
 # stream itself, and Triton then needs a moment to finalize the model and close its endpoints.
 EXIT_TIMEOUT_MARGIN_S = 10
 SUPERVISE_INTERVAL_S = 0.5
+DRAINED_EXIT_WAIT_S = 5.0   # for Triton's own exit once nothing is in flight (see _drain_and_terminate)
+STABLE_AFTER_S = 60.0    # a server up this long restarts without the crash-loop backoff
 
 
 def configured_drain_timeout(params: dict[str, str]) -> float:
@@ -197,6 +199,7 @@ class TritonServer:
         self._supervisor: threading.Thread | None = None
         self._log = None
         self._restart_times: list[float] = []
+        self._ready_at: float | None = None     # when the current incarnation became ready
         self.drain_timeout_s = configured_drain_timeout(self.params)
         self.exit_timeout_s = int(self.drain_timeout_s + EXIT_TIMEOUT_MARGIN_S + 0.999)
 
@@ -236,6 +239,7 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        self._ready_at = time.monotonic()
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="triton-supervisor", daemon=True)
             self._supervisor.start()
@@ -292,6 +296,9 @@ class TritonServer:
                 print(f"supervisor: {reason}; restarting tritonserver", file=sys.stderr, flush=True)
                 self._kill_group()
                 # Back off when restarts come fast (a model that cannot load): 0, 1, 2, 4 ... 60 s.
+                # A server that had been up for a while starts the count afresh.
+                if self._ready_at is not None and time.monotonic() - self._ready_at >= STABLE_AFTER_S:
+                    self._restart_times = []
                 recent = [t for t in self._restart_times if time.monotonic() - t < 600]
                 self._restart_times = recent + [time.monotonic()]
                 if recent and self._stopping.wait(min(60.0, 2.0 ** (len(recent) - 1))):
@@ -299,7 +306,9 @@ class TritonServer:
                 self.restarts += 1
                 self._spawn()
             try:
+                self._ready_at = None
                 self._wait_ready(300)
+                self._ready_at = time.monotonic()
                 print(f"supervisor: model '{MODEL_NAME}' is ready again (restart {self.restarts})",
                       file=sys.stderr, flush=True)
             except (RuntimeError, TimeoutError) as exc:
@@ -351,6 +360,31 @@ class TritonServer:
             time.sleep(0.1)
         return False
 
+    def restart_gracefully(self) -> None:
+        """A rolling restart of a supervised server: drain (readiness turns 0 at once, so a
+        proxy stops sending), SIGTERM, and the supervisor starts it again when it has exited."""
+        if not self.supervise:
+            raise RuntimeError("restart_gracefully needs a supervised server")
+        with self._lifecycle:
+            if self.process is None or self.process.poll() is not None:
+                return
+            self._drain_and_terminate(self.exit_timeout_s + 10)   # the supervisor kills what is left
+
+    def _drain_and_terminate(self, timeout: float) -> None:
+        """Drain, SIGTERM, wait for the exit. Triton 2.51 does not finish unloading a decoupled
+        model while a client keeps a gRPC stream open to it (even an idle one; measured: it then
+        exits only at its exit timeout, 30 s by default). Once the drain has completed nothing
+        is in flight, so after DRAINED_EXIT_WAIT_S the group is killed instead of waiting."""
+        drained = self.stub_alive() and self.drain()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(DRAINED_EXIT_WAIT_S if drained else timeout)
+        except subprocess.TimeoutExpired:
+            if drained:
+                print(f"tritonserver still unloading {DRAINED_EXIT_WAIT_S:g} s after a complete drain (an open "
+                      "gRPC stream holds the model); stopping it", file=sys.stderr, flush=True)
+                self._kill_group()
+
     @property
     def draining(self) -> bool:
         return self.drain_file is not None and self.drain_file.exists()
@@ -363,13 +397,7 @@ class TritonServer:
         self._stopping.set()
         with self._lifecycle:   # not in the middle of a restart
             if self.process is not None and self.process.poll() is None:
-                if self.stub_alive():
-                    self.drain()
-                self.process.send_signal(signal.SIGTERM)
-                try:
-                    self.process.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
+                self._drain_and_terminate(timeout)
             # Whatever is left of the group (e.g. the stubs of a server that died on its own).
             self._kill_group()
             if self._log is not None:
