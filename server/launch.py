@@ -116,7 +116,6 @@ def server_environment() -> dict[str, str]:
 EXIT_TIMEOUT_MARGIN_S = 10
 SUPERVISE_INTERVAL_S = 0.5
 DRAINED_EXIT_WAIT_S = 5.0   # for Triton's own exit once nothing is in flight (see _drain_and_terminate)
-STABLE_AFTER_S = 60.0    # a server up this long restarts without the crash-loop backoff
 
 
 def configured_drain_timeout(params: dict[str, str]) -> float:
@@ -199,7 +198,7 @@ class TritonServer:
         self._supervisor: threading.Thread | None = None
         self._log = None
         self._restart_times: list[float] = []
-        self._ready_at: float | None = None     # when the current incarnation became ready
+        self._became_ready = False     # the current incarnation's model loaded (no restart backoff)
         self.drain_timeout_s = configured_drain_timeout(self.params)
         self.exit_timeout_s = int(self.drain_timeout_s + EXIT_TIMEOUT_MARGIN_S + 0.999)
 
@@ -239,7 +238,7 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
-        self._ready_at = time.monotonic()
+        self._became_ready = True
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="triton-supervisor", daemon=True)
             self._supervisor.start()
@@ -295,9 +294,9 @@ class TritonServer:
                           else f"the engine is unhealthy ({self.unhealthy_file.read_text(errors='replace')})")
                 print(f"supervisor: {reason}; restarting tritonserver", file=sys.stderr, flush=True)
                 self._kill_group()
-                # Back off when restarts come fast (a model that cannot load): 0, 1, 2, 4 ... 60 s.
-                # A server that had been up for a while starts the count afresh.
-                if self._ready_at is not None and time.monotonic() - self._ready_at >= STABLE_AFTER_S:
+                # Back off when restarts come fast without the model ever loading: 0, 1, 2, 4 ...
+                # 60 s. A server whose model became ready is not failing to load: count afresh.
+                if self._became_ready:
                     self._restart_times = []
                 recent = [t for t in self._restart_times if time.monotonic() - t < 600]
                 self._restart_times = recent + [time.monotonic()]
@@ -306,9 +305,9 @@ class TritonServer:
                 self.restarts += 1
                 self._spawn()
             try:
-                self._ready_at = None
+                self._became_ready = False
                 self._wait_ready(300)
-                self._ready_at = time.monotonic()
+                self._became_ready = True
                 print(f"supervisor: model '{MODEL_NAME}' is ready again (restart {self.restarts})",
                       file=sys.stderr, flush=True)
             except (RuntimeError, TimeoutError) as exc:
