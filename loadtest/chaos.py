@@ -60,12 +60,13 @@ class Fault:
     recovered_s: float | None = None   # when every replica was UP in HAProxy again
 
 
-def schedule(seed: int, duration_s: float, every_s: float, replicas: int, first_s: float = 15.0) -> list[Fault]:
+def schedule(seed: int, duration_s: float, every_s: float, replicas: int, first_s: float = 15.0,
+             actions: tuple[str, ...] = ACTIONS) -> list[Fault]:
     """Faults at ``first_s`` and then every ``every_s`` (+-25%); actions and replicas each cycle
     through a seeded order, so that a short run sees every kind of fault and every replica."""
     rng = np.random.default_rng(seed)
     faults, t, i = [], first_s, 0
-    actions = [ACTIONS[j] for j in rng.permutation(len(ACTIONS))]
+    actions = [actions[j] for j in rng.permutation(len(actions))]
     targets = [int(j) for j in rng.permutation(replicas)]
     while t < duration_s - 20:   # leave the end of the run for recovery
         faults.append(Fault(round(t, 1), actions[i % len(actions)], targets[i % len(targets)]))
@@ -249,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rate", type=float, default=1.5, help="requests/s, open loop (Poisson)")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between faults (+-25%%)")
+    parser.add_argument("--actions", default=",".join(ACTIONS), help=f"faults to use (of {', '.join(ACTIONS)})")
     parser.add_argument("--run-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    actions = tuple(a for a in args.actions.split(",") if a)
+    if not actions or set(actions) - set(ACTIONS):
+        parser.error(f"--actions must name some of {', '.join(ACTIONS)}")
     command = "python -m loadtest.chaos " + shlex.join(sys.argv[1:] if argv is None else argv)
     run_dir = args.run_dir or ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S-chaos")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(args.replicas, base_port=None, params=params, supervise=True, log_dir=run_dir)
     print(f"starting {args.replicas} supervised replicas behind HAProxy ...", flush=True)
     cluster.start()
-    state = ChaosState(faults=schedule(args.seed, args.duration, args.every, args.replicas))
+    state = ChaosState(faults=schedule(args.seed, args.duration, args.every, args.replicas, actions=actions))
     stop = threading.Event()
     started, started_epoch = time.monotonic(), time.time()
     threads = [threading.Thread(target=run_faults, args=(cluster, state, started, stop), daemon=True),

@@ -115,7 +115,6 @@ def server_environment() -> dict[str, str]:
 # stream itself, and Triton then needs a moment to finalize the model and close its endpoints.
 EXIT_TIMEOUT_MARGIN_S = 10
 SUPERVISE_INTERVAL_S = 0.5
-DRAINED_EXIT_WAIT_S = 5.0   # for Triton's own exit once nothing is in flight (see _drain_and_terminate)
 
 
 def configured_drain_timeout(params: dict[str, str]) -> float:
@@ -370,19 +369,17 @@ class TritonServer:
             self._drain_and_terminate(self.exit_timeout_s + 10)   # the supervisor kills what is left
 
     def _drain_and_terminate(self, timeout: float) -> None:
-        """Drain, SIGTERM, wait for the exit. Triton 2.51 does not finish unloading a decoupled
-        model while a client keeps a gRPC stream open to it (even an idle one; measured: it then
-        exits only at its exit timeout, 30 s by default). Once the drain has completed nothing
-        is in flight, so after DRAINED_EXIT_WAIT_S the group is killed instead of waiting."""
-        drained = self.stub_alive() and self.drain()
+        """Drain, SIGTERM, wait up to ``timeout`` for the exit. Triton 2.51 finishes unloading
+        only once every client's gRPC stream has closed, and a stream may still be delivering
+        the last responses of a drained request to a slow client through a proxy; killing it
+        earlier cut those (docs/reliability.md), so the wait is Triton's own exit timeout."""
+        if self.stub_alive():
+            self.drain()
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(DRAINED_EXIT_WAIT_S if drained else timeout)
+            self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            if drained:
-                print(f"tritonserver still unloading {DRAINED_EXIT_WAIT_S:g} s after a complete drain (an open "
-                      "gRPC stream holds the model); stopping it", file=sys.stderr, flush=True)
-                self._kill_group()
+            pass
 
     @property
     def draining(self) -> bool:
