@@ -35,6 +35,9 @@ class EngineConfig:
                                                # step); 0 = max_num_batched_tokens
     max_num_partial_prefills: int = 4          # requests mid-prefill at a time (continuous batching)
     max_long_partial_prefills: int = 1         # ... of which long ones
+    # LoRA adapters (multi_lora.json in the model folder) whose requests may run at once; a
+    # request of another adapter waits, never preempting a running one (vLLM's max_loras).
+    max_loras: int = 4
     max_model_len: int | None = None           # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -120,6 +123,7 @@ class EngineConfig:
         check(self.itl_target_ms >= 0, "itl_target_ms must be >= 0 (0 = fixed token budget)")
         check(self.min_prefill_chunk_tokens >= 1, "min_prefill_chunk_tokens must be >= 1")
         check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        check(self.max_loras >= 1, "max_loras must be >= 1")
         check(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
               "need 1 <= max_long_partial_prefills <= max_num_partial_prefills")
         check(self.quantization in ("none", "int8"), "quantization must be none or int8")

@@ -70,6 +70,8 @@ class SamplingParams:
     # Prefix-cache isolation: requests share cached blocks only when their salts are equal
     # (vLLM's cache_salt); e.g. one salt per tenant.
     cache_salt: str | None = None
+    # A LoRA adapter of the model folder's multi_lora.json (the vLLM backend's key); None: the base model.
+    lora_name: str | None = None
     # Only these token ids may be generated (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
     # Structured outputs (backend/structured_outputs.py): the output must match a JSON schema,
@@ -155,6 +157,10 @@ class SamplingParams:
             fail("logprobs", "an integer in [0, 20] or null")
         if not isinstance(self.speculative, bool):
             fail("speculative", "a boolean")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name
+                                           or len(self.lora_name) > MAX_CACHE_SALT_CHARS
+                                           or not is_encodable(self.lora_name)):
+            fail("lora_name", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters or null")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
                                             or not is_encodable(self.cache_salt)):

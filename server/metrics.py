@@ -8,6 +8,7 @@ as Prometheus counters by incrementing with the difference since the last update
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -63,6 +64,8 @@ HISTOGRAMS = {  # LatencySample.kind -> (name, description, buckets)
 # (the Gateway API inference extension's endpoint picker, Triton's ORCA header) read them for
 # "Triton TensorRT-LLM" servers, so they read ours without renaming (docs/scaling.md).
 TRTLLM_KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+VLLM_LORA_INFO = "vllm:lora_requests_info"
+LORA_LOAD_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 TRTLLM_REQUEST_FAMILY = "nv_trt_llm_request_metrics"
 
 
@@ -84,6 +87,15 @@ class EngineMetrics:
                             for kind, (name, desc, buckets) in HISTOGRAMS.items()}
         self._finished_family = self._family("llm_request_finished_total", "Requests finished, by finish reason",
                                              "COUNTER")
+        self._lora_families = {kind: self._family(f"llm_lora_requests_{kind}", f"Requests {kind}, per LoRA adapter",
+                                                  "GAUGE") for kind in ("running", "waiting")}
+        self._lora_gauges: dict[str, dict[str, Any]] = {"running": {}, "waiting": {}}
+        self._lora_info_family = self._family(VLLM_LORA_INFO, "LoRA adapters running and waiting (vLLM's gauge; "
+                                              "the value is when it was set)", "GAUGE")
+        self._lora_info: dict[tuple[str, ...], Any] = {}
+        self._lora_info_key: tuple[str, ...] | None = None
+        self._lora_load = self._family("llm_lora_adapter_load_seconds", "Time to load a LoRA adapter's weights",
+                                       "HISTOGRAM").Metric(labels=self._labels, buckets=LORA_LOAD_BUCKETS)
         self._finished: dict[str, Any] = {}
         # The family TensorRT-LLM's backend exports; Triton builds the ORCA
         # `endpoint-load-metrics` header (KV utilisation for load-aware routers) from it.
@@ -138,14 +150,40 @@ class EngineMetrics:
                 self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
             self._finished[reason].increment(1)
 
-    def update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int) -> None:
-        """Publish a statistics snapshot and the latency samples queued since the last call.
-        Called by the publisher thread every 0.1 s and by the sender before a final response."""
+    def update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int,
+               lora_loads: deque[float] | None = None) -> None:
+        """Publish a statistics snapshot and the latency samples (and adapter load times)
+        queued since the last call. Called by the publisher thread every 0.1 s and by the
+        sender before a final response."""
         with self._lock:
+            while lora_loads:
+                self._lora_load.observe(lora_loads.popleft())
             if stats is self._published and not samples:
                 return     # the loop has not replaced its snapshot since
             self._published = stats
             self._update(stats, samples, block_size)
+            self._update_loras(stats)
+
+    def _update_loras(self, stats: EngineStats) -> None:
+        """Per-adapter request gauges, and vLLM's ``vllm:lora_requests_info`` (a gauge whose
+        labels list the running and waiting adapters and whose value is the time it was set;
+        the Gateway API inference extension routes by it)."""
+        for kind, counts in (("running", stats.lora_running), ("waiting", stats.lora_waiting)):
+            gauges = self._lora_gauges[kind]
+            for name in counts.keys() - gauges.keys():
+                gauges[name] = self._lora_families[kind].Metric(labels={**self._labels, "lora_name": name})
+            for name, gauge in gauges.items():
+                gauge.set(counts.get(name, 0))
+        labels = {"running_lora_adapters": ",".join(sorted(stats.lora_running)),
+                  "waiting_lora_adapters": ",".join(sorted(stats.lora_waiting)), "max_lora": str(stats.max_loras)}
+        key = tuple(labels.values())
+        if key != self._lora_info_key:
+            if self._lora_info_key is not None:
+                self._lora_info[self._lora_info_key].set(0)
+            if key not in self._lora_info:
+                self._lora_info[key] = self._lora_info_family.Metric(labels=labels)
+            self._lora_info_key = key
+        self._lora_info[key].set(time.time())
 
     def _update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int) -> None:
         self._readiness_gauges()

@@ -68,3 +68,15 @@ def test_decode_breakdown_benchmark_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| float32 |" in done.stdout and "| bfloat16 |" in done.stdout
     assert json.loads(out.read_text())
+
+
+def test_lora_benchmark_runs(tmp_path: Path) -> None:
+    """The multi-LoRA vs base comparison (docs/lora.md) runs and writes its figures."""
+    out = tmp_path / "lora.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.lora_throughput", "--streams", "4", "--adapters", "2",
+                           "--rank", "4", "--max-tokens", "8", "--repeats", "1", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["best_output_tok_s"]) == {"base", "2 adapters"} and result["lora_vs_base"] > 0
+    assert result["delta_qkv_decode_batch"]["speedup"] > 0

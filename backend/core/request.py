@@ -18,6 +18,7 @@ from backend.outputs import FinishReason, Logprob
 from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from backend.lora.adapter import LoRAAdapter
     from backend.sample.constraints import TokenConstraint
 
 
@@ -73,6 +74,7 @@ class Request:
     # Block-hash extra keys (backend/core/kv_cache_utils.py): what besides the tokens decides
     # whether a cached block may be reused by this request.
     lora_id: int | None = None
+    lora: "LoRAAdapter | None" = None      # the adapter itself (lora_id is its id), held while the request lives
     # What the next token may be (allowed_token_ids, a grammar); None: anything.
     constraint: "TokenConstraint | None" = None
     # The constraint while it is built; the scheduler installs it before admission.

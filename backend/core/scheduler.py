@@ -225,9 +225,12 @@ class Scheduler:
         num_prefills = len(partial_prefills)
         if admit:
             num_seqs = len(self.running)
+            loras = self._running_loras()
             for request in self._ready_waiting():
                 if num_seqs >= config.max_num_seqs or (limited and num_prefills >= config.max_num_partial_prefills):
                     break
+                if not self._lora_fits(request, loras):
+                    continue   # its adapter waits for a slot; requests behind it may pass
                 _, num_hit = self.kv_cache.get_computed_blocks(request)
                 long = request.num_tokens - num_hit > threshold
                 if limited and long and num_long >= config.max_long_partial_prefills:
@@ -291,6 +294,19 @@ class Scheduler:
             self.running.append(request)
             self._add(out, request, num_new)
             has_prefill = True
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_id for r in self.running if r.lora_id is not None}
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """True (and its adapter counted in ``loras``) unless it would be adapter number
+        max_loras + 1 among the running requests."""
+        if request.lora_id is None or request.lora_id in loras:
+            return True
+        if len(loras) >= self.config.max_loras:
+            return False
+        loras.add(request.lora_id)
+        return True
 
     def _order(self, request: Request, long: bool) -> tuple[int, bool, int]:
         priority, arrival = self.waiting.key(request)
@@ -379,9 +395,12 @@ class Scheduler:
         free KV blocks together (so the batch never preempts), then run them to completion.
         No prefix-cache hits: this is the baseline continuous batching is measured against."""
         reserved = 0
+        loras = self._running_loras()
         for request in self._ready_waiting():
             if len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self._lora_fits(request, loras):
+                continue
             need = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv_cache.block_size)
             if reserved + need > self.kv_cache.num_free_blocks:
                 break

@@ -10,7 +10,7 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,6 +22,7 @@ from backend.core.scheduler import Scheduler, SchedulerOutput
 from backend.core.step_cost import StepCostModel
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.validation import Prompt, RequestValidator
+from backend.lora.registry import LoRARegistry
 from backend.errors import InvalidRequestError, QueueFullError, is_device_error
 from backend.model.architecture import ModelArchitecture
 from backend.outputs import FinishReason, Logprob, RequestOutput
@@ -72,6 +73,10 @@ class EngineStats:
     spec_emitted_tokens: int = 0
     spec_verifications: int = 0
     health_error: str | None = None  # why the engine is unhealthy (Engine.health_error); None = healthy
+    # LoRA: requests per adapter name, running and waiting, and how many adapters may run at once
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -86,6 +91,14 @@ class EngineStats:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "spec_acceptance_rate": self.spec_acceptance_rate,
                 "spec_mean_accepted_length": self.spec_mean_accepted_length}
+
+
+def _count_loras(requests: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora is not None:
+            counts[request.lora.name] = counts.get(request.lora.name, 0) + 1
+    return counts
 
 
 def load_tokenizer(folder: str) -> Any:
@@ -122,6 +135,8 @@ class Engine:
             self.cost_model = self._calibrate_step_cost()
         self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed,
                                    cost_model=self.cost_model)
+        # LoRA adapters by name (multi_lora.json in the model folder), resolved at validation.
+        self.loras = LoRARegistry(config.model, self.arch, self.runner.dtype, self.runner.device)
         self.validator = self.make_validator()
         self._grammars: GrammarService | None = None   # built on the first structured-output request
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests
@@ -163,6 +178,8 @@ class Engine:
                           arrival_seq=next(self._arrivals),
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+        if validated.lora is not None:
+            request.lora, request.lora_id = validated.lora, validated.lora.lora_id
         if params.allowed_token_ids is not None:
             request.constraint = AllowedTokenIds(params.allowed_token_ids, self.arch.vocab_size)
         if params.grammar_spec is not None:   # compiled off this thread; the request waits for it
@@ -192,7 +209,7 @@ class Engine:
         """A validator with this engine's limits; pass a separate tokenizer to use it from
         another thread (tokenizer objects are not shared across threads)."""
         return RequestValidator(tokenizer or self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                self.config.block_size, self.kv_cache.pool.num_blocks)
+                                self.config.block_size, self.kv_cache.pool.num_blocks, self.loras)
 
     def abort(self, request_id: str, message: str | None = None) -> bool:
         """Stop a request now and free its blocks. Its final output (finish_reason "abort",
@@ -488,7 +505,8 @@ class Engine:
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            health_error=self.health_error, **self.spec_counts)
+            health_error=self.health_error, lora_running=_count_loras(self.scheduler.running),
+            lora_waiting=_count_loras(self.scheduler.waiting), max_loras=self.config.max_loras, **self.spec_counts)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent."""

@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 from backend.core.kv_cache_utils import cdiv
 from backend.errors import InvalidRequestError
+from backend.lora.adapter import LoRAAdapter
+from backend.lora.registry import LoRARegistry
 from backend.sample.grammar import check_grammar
 from backend.sampling_params import (MAX_SAMPLING_JSON_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                      MAX_STOP_TOKEN_IDS, SamplingParams)
@@ -29,6 +31,7 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32
 class ValidatedPrompt:
     prompt_token_ids: list[int]
     max_tokens: int            # SamplingParams.max_tokens, or what is left of the context when None
+    lora: LoRAAdapter | None = None   # SamplingParams.lora_name, resolved (and loaded)
 
 
 @dataclass
@@ -38,6 +41,7 @@ class RequestValidator:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    loras: LoRARegistry | None = None
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidatedPrompt:
         ids = self.tokenize(prompt)
@@ -63,7 +67,12 @@ class RequestValidator:
             raise InvalidRequestError("allowed_token_ids", f"token ids must be in [0, {self.vocab_size})")
         if params.grammar_spec is not None:   # parse only (no vocabulary): compiling is the engine's
             check_grammar(params.grammar_spec)
-        return ValidatedPrompt(ids, max_tokens)
+        lora = None
+        if params.lora_name is not None:
+            if self.loras is None:
+                raise InvalidRequestError("lora_name", "this engine serves no LoRA adapters")
+            lora = self.loras.resolve(params.lora_name)
+        return ValidatedPrompt(ids, max_tokens, lora)
 
     def describe_limits(self) -> str:
         """The request bounds, for the server's start-up log (the README lists the same)."""

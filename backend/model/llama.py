@@ -16,6 +16,7 @@ from torch import nn
 
 import kernels
 from kernels import cpu_native
+from backend.lora.batch import LoRAStep, add_lora, lora_step
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import Float32Logits, NativeLinear, PackedLinear, replace_linears
 
@@ -76,11 +77,13 @@ class AttentionMetadata:
     logits_indices: torch.Tensor    # rows whose next-token logits are needed
     max_query_len: int              # host-side bounds: kernels pick launch shapes without a device sync
     max_seq_len: int
+    lora: LoRAStep | None = None    # which token rows use which LoRA adapter (backend/lora/batch.py)
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference") -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference", layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer                           # for LoRA: which layer's adapter weights apply
         self.attention_backend = attention_backend   # resolved by the model runner (kernels.resolve_backend)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -96,6 +99,7 @@ class Attention(nn.Module):
                 value_cache: torch.Tensor, meta: AttentionMetadata,
                 plan: kernels.CpuAttentionPlan | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        add_lora(qkv, x, self.layer, "qkv")
         if self.fused_cpu_ops:
             # RoPE on q and k in place and the K/V cache write, in one C pass (layer_ops.c).
             cpu_native.rope_and_cache(qkv, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
@@ -106,7 +110,10 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
                                     backend=self.attention_backend, plan=plan)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        o = o.reshape(-1, self.q_size)
+        out = self.o_proj(o)
+        add_lora(out, o, self.layer, "o")
+        return out
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, meta: AttentionMetadata,
@@ -130,27 +137,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        add_lora(gate_up, x, self.layer, "gate_up")
         # Slices, not .split(): the same views for a fraction of the Python cost (~40 us a layer).
         gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
         # In place on the projection's own output: no extra activations allocated.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        act = F.silu(gate, inplace=True).mul_(up)
+        out = self.down_proj(act)
+        add_lora(out, act, self.layer, "down")
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture, attention_backend: str) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: str, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, attention_backend)
+        self.self_attn = Attention(arch, attention_backend, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, layer)
 
 
 class CausalLM(nn.Module):
@@ -163,7 +175,7 @@ class CausalLM(nn.Module):
         self.attention_backend = attention_backend
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend) for _ in range(arch.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend, i) for i in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
@@ -178,6 +190,11 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns float32 logits for the rows in ``meta.logits_indices``."""
+        with lora_step(meta.lora):
+            return self._forward(input_ids, meta, kv_caches)
+
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(meta.positions, h.dtype)
         # Gather indices etc. derived from the block tables once per step, reused by every layer.

@@ -22,6 +22,7 @@ import kernels
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request
+from backend.lora.batch import LoRAStep
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear import resolve_cpu_linear
@@ -250,8 +251,16 @@ class ModelRunner:
             positions=buf.positions[:token], slot_mapping=buf.slot_mapping[:token],
             query_start_loc=buf.query_start_loc[:num_seqs + 1], seq_lens=buf.seq_lens[:num_seqs],
             block_tables=buf.block_tables[:num_seqs], logits_indices=buf.logits_indices[:num_logits],
-            max_query_len=max_query_len, max_seq_len=max_seq_len)
+            max_query_len=max_query_len, max_seq_len=max_seq_len, lora=self._lora_step(requests))
         return buf.input_ids[:token], meta, sampling
+
+    def _lora_step(self, requests: list[Request]) -> LoRAStep | None:
+        """Token rows per LoRA adapter, from the packed layout (query_start_loc) just written."""
+        if all(r.lora is None for r in requests):
+            return None
+        starts = self._host_np["query_start_loc"]
+        return LoRAStep.build([(r.lora, int(starts[i]), int(starts[i + 1])) for i, r in enumerate(requests)],
+                              self.device)
 
     def synchronize(self) -> None:
         """Wait for the device to finish what was queued (a no-op on CPU)."""
@@ -264,6 +273,6 @@ class ModelRunner:
         sequence, every sequence samples) replay a captured CUDA graph when there is one."""
         num_seqs = meta.seq_lens.shape[0]
         decode_only = meta.max_query_len == 1 and meta.logits_indices.shape[0] == input_ids.shape[0] == num_seqs
-        if decode_only and self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
+        if decode_only and meta.lora is None and self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
             return self.decode_graphs.run(num_seqs)
         return self.model(input_ids, meta, self.kv_caches)

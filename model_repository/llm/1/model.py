@@ -324,7 +324,8 @@ class TritonPythonModel:
         """Push the loop's latest statistics (EngineMetrics.update skips a snapshot it has
         already published, so calling this often is cheap)."""
         try:
-            self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size)
+            self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size,
+                                self.engine.loras.load_seconds)
         except Exception:  # noqa: BLE001 - metrics must never take the server down
             logger.exception("metrics update failed")
 
