@@ -22,6 +22,9 @@ from tests.conftest import hf_greedy
 from tests.test_tiny_architectures import make_tiny_model
 
 MAX_NEW_TOKENS = 16
+# float32 (the oracle's dtype); a fixed token budget: no start-up calibration of the step cost
+# model (2 s per engine), which these tests do not exercise.
+FAST = dict(dtype="float32", itl_target_ms=0)
 # name -> (rank, alpha, target modules, seed)
 ADAPTERS = {"all-r8": (8, 16, MODULES, 1), "attn-r4": (4, 8, ("q_proj", "v_proj", "o_proj"), 2),
             "mlp-r16-rslora": (16, 8, ("gate_proj", "up_proj", "down_proj"), 3)}
@@ -107,7 +110,7 @@ def test_adapters_change_the_output(references: dict) -> None:
                                    dict(max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=28)])  # preemption
 def test_mixed_adapters_in_one_batch_match_peft(lora_model: Path, mixed_prompts, references: dict,
                                                 shape: dict) -> None:
-    engine = Engine(EngineConfig(model=str(lora_model), dtype="float32", block_size=16,
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, block_size=16,
                                  **{"num_kv_blocks": 256, **shape}))
     tokens = run_mixed(engine, mixed_prompts)
     assert tokens == expected_in_order(mixed_prompts, references)
@@ -126,7 +129,7 @@ def test_a_shared_prefix_is_cached_once_per_adapter_and_never_crosses(lora_model
     for adapter, q in plan:
         by_adapter.setdefault(adapter, []).append(system + questions[q])
     references = peft_references(hf_model, lora_model, by_adapter)
-    engine = Engine(EngineConfig(model=str(lora_model), dtype="float32", block_size=16, num_kv_blocks=256))
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, block_size=16, num_kv_blocks=256))
     cached, seen = [], {}
     for adapter, q in plan:   # one at a time: each sees what the earlier ones cached
         tokens = run_mixed(engine, [(adapter, system + questions[q])])[0]
@@ -150,7 +153,7 @@ def test_tiny_llama_adapter_matches_peft(tmp_path: Path, model_dir: Path, prose_
     for adapter, prompt in requests:
         by_adapter.setdefault(adapter, []).append(prompt)
     references = peft_references(hf_model, folder, by_adapter)
-    engine = Engine(EngineConfig(model=str(folder), dtype="float32", block_size=16, num_kv_blocks=128,
+    engine = Engine(EngineConfig(model=str(folder), **FAST, block_size=16, num_kv_blocks=128,
                                  max_num_batched_tokens=32, max_num_seqs=8))
     assert run_mixed(engine, requests) == expected_in_order(requests, references)
 
@@ -179,7 +182,7 @@ def test_batched_delta_equals_the_per_row_reference(lora_model: Path) -> None:
 
 
 def test_adapter_names_are_checked_and_the_list_is_live(lora_model: Path, prose_ids: list[int]) -> None:
-    engine = Engine(EngineConfig(model=str(lora_model), dtype="float32", num_kv_blocks=64))
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, num_kv_blocks=64))
     with pytest.raises(InvalidRequestError, match="lora_name: unknown adapter 'nope' .*all-r8"):
         engine.add_request("unknown", prose_ids[:8], SamplingParams(max_tokens=2, lora_name="nope"))
     with pytest.raises(InvalidRequestError, match="lora_name"):
@@ -209,7 +212,7 @@ def test_lora_name_through_the_real_server(lora_model: Path, prose_ids: list[int
     from server.launch import TritonServer, free_ports
 
     prompt = tokenizer.decode(prose_ids[:40])
-    engine = Engine(EngineConfig(model=str(lora_model), dtype="float32", num_kv_blocks=128))
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, num_kv_blocks=128))
     expected = {name: engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                                lora_name=name))[0].text
                 for name in ("all-r8", "attn-r4")}
@@ -257,7 +260,7 @@ def test_lora_name_through_the_real_server(lora_model: Path, prose_ids: list[int
 
 def test_max_loras_makes_other_adapters_wait_without_preempting(lora_model: Path, mixed_prompts,
                                                                references: dict) -> None:
-    engine = Engine(EngineConfig(model=str(lora_model), dtype="float32", num_kv_blocks=256, max_loras=1))
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, num_kv_blocks=256, max_loras=1))
     for i, (adapter, prompt) in enumerate(mixed_prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0,
                                                            ignore_eos=True, lora_name=adapter))
