@@ -337,7 +337,11 @@ class TritonServer:
                                    + (f"; see {self.log_file}" if self.log_file else ""))
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
+                    model_ready = response.status == 200
+                # Triton starts its metrics service after HTTP (~40 ms later, measured): ready
+                # means every endpoint answers.
+                with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                    if model_ready and response.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass

@@ -274,3 +274,29 @@ def test_max_loras_makes_other_adapters_wait_without_preempting(lora_model: Path
         assert engine.stats().max_loras == 1
     assert max(together) == 1 and engine.stats().num_preemptions == 0
     assert [finals[f"r{i}"] for i in range(len(mixed_prompts))] == expected_in_order(mixed_prompts, references)
+
+
+def test_removing_an_adapter_lets_its_running_requests_finish(lora_model: Path, prose_ids: list[int]) -> None:
+    """Unloading an adapter in use never corrupts its requests: they finish with it, exactly
+    as without the removal, and new requests for it are refused."""
+    prompt = prose_ids[:30]
+    expected = run_mixed(Engine(EngineConfig(model=str(lora_model), **FAST, num_kv_blocks=64)),
+                         [("all-r8", prompt)], max_new_tokens=24)[0]
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, num_kv_blocks=64))
+    engine.add_request("running", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                         lora_name="all-r8"))
+    tokens = []
+    for output in engine.step() + engine.step():
+        tokens += output.new_token_ids
+    entries = json.loads((lora_model / MULTI_LORA_FILE).read_text())
+    try:
+        (lora_model / MULTI_LORA_FILE).write_text(json.dumps({k: v for k, v in entries.items() if k != "all-r8"}))
+        with pytest.raises(InvalidRequestError, match="unknown adapter 'all-r8'"):
+            engine.add_request("late", prompt, SamplingParams(max_tokens=2, lora_name="all-r8"))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens += output.new_token_ids
+    finally:
+        (lora_model / MULTI_LORA_FILE).write_text(json.dumps(entries))
+    assert tokens == expected
+    engine.check_invariants()
