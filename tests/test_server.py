@@ -398,6 +398,9 @@ def test_metrics_are_fresh(server: TritonServer, client: LLMClient) -> None:
     seen = b""
     while seen.count(b"data:") < 5:
         seen += sock.recv(65536)
+    # Seen running first: a gauge of 0 read before the request's own step was published
+    # would make the check below vacuous.
+    assert wait_for(lambda: metric(server, "llm_num_requests_running") == 1, 5)
     sock.close()
     assert wait_for(lambda: metric(server, "llm_num_requests_running") == 0, 5)
     stopped_at = metric(server, "llm_generation_tokens_total")
