@@ -417,6 +417,10 @@ def _sse_events(request: urllib.request.Request, timeout: float) -> Iterator[Str
                                   num_input_tokens=event.get("num_input_tokens"),
                                   num_cached_tokens=event.get("num_cached_tokens"), served_by=served_by)
                 if finish is not None:
+                    # Read to the end of the response before returning: until the server ends
+                    # it, a proxy counts the request in flight, and its bounded-load hash sends
+                    # this user's next request for the same key to another replica.
+                    response.read()
                     return
         except (http.client.HTTPException, OSError) as exc:
             raise LLMError(f"the stream from {where} broke after {received} events ({exc!r})",

@@ -360,6 +360,28 @@ class HAProxy(ConfiguredProcess):
                 states.setdefault(row["pxname"], {})[row["svname"]] = row["status"].split()[0]
         return states
 
+    def sessions_in_flight(self, backend: str = "triton_http") -> int | None:
+        """Streams the backend holds now (stats ``scur``); None while HAProxy does not answer."""
+        try:
+            with urllib.request.urlopen(f"{self.stats_url};csv", timeout=2) as response:
+                text = response.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        for row in csv.DictReader(io.StringIO(text.lstrip("# "))):
+            if row["pxname"] == backend and row["svname"] == "BACKEND":
+                return int(row["scur"] or 0)
+        return None
+
+    def wait_until_idle(self, backend: str = "triton_http", timeout: float = 5.0) -> bool:
+        """Until no stream is in flight in ``backend``: a client reads a response's last byte
+        a moment before HAProxy releases the stream and its server's load count."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sessions_in_flight(backend) == 0:
+                return True
+            time.sleep(0.002)
+        return False
+
     def wait_for_state(self, server: str, state: str, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
