@@ -38,6 +38,7 @@ class EngineConfig:
     # LoRA adapters (multi_lora.json in the model folder) whose requests may run at once; a
     # request of another adapter waits, never preempting a running one (vLLM's max_loras).
     max_loras: int = 4
+    max_lora_rank: int = 64                    # the largest adapter rank served (the CUDA slots are sized for it)
     max_model_len: int | None = None           # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -124,6 +125,7 @@ class EngineConfig:
         check(self.min_prefill_chunk_tokens >= 1, "min_prefill_chunk_tokens must be >= 1")
         check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         check(self.max_loras >= 1, "max_loras must be >= 1")
+        check(1 <= self.max_lora_rank <= 64, "max_lora_rank must be in [1, 64]")
         check(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
               "need 1 <= max_long_partial_prefills <= max_num_partial_prefills")
         check(self.quantization in ("none", "int8"), "quantization must be none or int8")

@@ -25,7 +25,8 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.lora.adapter import LoRAAdapter
-from backend.lora.batch import LoRAStep, add_lora, add_lora_per_row, lora_step
+from backend.lora.batch import add_lora, add_lora_per_row, lora_batch
+from backend.lora.slots import batch_for_rows
 from backend.lora.synthetic import MODULES, model_with_adapters
 from backend.model.cpu_features import detect
 
@@ -55,10 +56,12 @@ def delta_timings(folder: Path, engine: Engine, names: list[str], rows: int, ite
     width = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     x = torch.randn(rows, arch.hidden_size, dtype=engine.runner.dtype)
     out = torch.zeros(rows, width, dtype=engine.runner.dtype)
-    step = LoRAStep.build(layout, torch.device("cpu"))
+    slots = engine.runner.lora_slots
+    assert slots is not None, "the model folder lists adapters: the runner made its slots at start"
+    batch = batch_for_rows(slots, row_adapters)
 
     def batched() -> None:
-        with lora_step(step):
+        with lora_batch(batch):
             add_lora(out, x, 0, "qkv")
 
     def per_row() -> None:

@@ -1,6 +1,7 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
 or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c),
-the bfloat16 LM head with float32 logits (kernels/csrc/linear_bf16.c) and the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c).
+the bfloat16 LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c)
+and LoRA over a packed batch (kernels/csrc/lora.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
 compiled for the machine it runs on (``-march=native``) the first time a process needs it
@@ -30,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
-                                                                       "linear_bf16.c", "layer_ops.c"))
+                                                                       "linear_bf16.c", "layer_ops.c", "lora.c"))
 HEADERS = (Path(__file__).resolve().parent / "csrc" / "bf16.h",)   # part of the build hash, not compiled alone
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -112,6 +113,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, "rope_and_cache" + suffix).restype = None
         getattr(library, "rope_and_cache" + suffix).argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64,
                                                                 _I64]
+    for suffix in LAYER_OPS_SUFFIXES.values():
+        getattr(library, "lora_apply" + suffix).restype = ctypes.c_int
+        getattr(library, "lora_apply" + suffix).argtypes = [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64,
+                                                            ctypes.c_int]
     return library
 
 
@@ -240,3 +245,37 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
     function = getattr(load(), "rope_and_cache" + LAYER_OPS_SUFFIXES[qkv.dtype])
     function(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(),
              value_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim)
+
+
+# LoRA (kernels/csrc/lora.c): per slot, one row of int64 fields, lora_slot_t's layout.
+LORA_MAX_PARTS = 3
+LORA_SLOT_FIELDS = 3 + 5 * LORA_MAX_PARTS
+
+
+def lora_slot_fields(a: torch.Tensor | None, parts: list[tuple[torch.Tensor, int, int, int, int]]) -> list[int]:
+    """The row of a slot: ``a`` (A [rank, in], contiguous) and per part (B transposed [part
+    rank, part columns] contiguous, its first and end rank, its first and end output column).
+    None: the slot's adapter does not adapt this projection."""
+    if a is None:
+        return [0] * LORA_SLOT_FIELDS
+    if len(parts) > LORA_MAX_PARTS:
+        raise ValueError(f"at most {LORA_MAX_PARTS} parts per projection")
+    fields = [a.data_ptr(), a.shape[0], len(parts)]
+    for b_t, rank_start, rank_end, out_start, out_end in parts:
+        assert b_t.is_contiguous() and b_t.shape == (rank_end - rank_start, out_end - out_start)
+        fields += [b_t.data_ptr(), rank_start, rank_end, out_start, out_end]
+    return fields + [0] * (LORA_SLOT_FIELDS - len(fields))
+
+
+def lora_apply(x: torch.Tensor, out: torch.Tensor, slot_ids: torch.Tensor, slot_table: torch.Tensor) -> None:
+    """``out[t] += B_s (A_s x[t])`` for rows whose slot ``s = slot_ids[t]`` is >= 0 (in place).
+    x / out: [rows, features] of one dtype (float32 or bfloat16), unit column stride;
+    slot_ids int32; slot_table int64 [num_slots, LORA_SLOT_FIELDS] of ``lora_slot_fields``
+    rows, whose tensors have x's dtype (the caller keeps them alive)."""
+    function = getattr(load(), "lora_apply" + LAYER_OPS_SUFFIXES[x.dtype])
+    status = function(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+                      slot_ids.data_ptr(), slot_table.data_ptr(), slot_table.shape[0], torch.get_num_threads())
+    if status == -1:
+        raise ValueError("lora_apply: a slot has over 512 ranks or over 3 parts")
+    if status != 0:
+        raise MemoryError("lora_apply: scratch allocation failed")

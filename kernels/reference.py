@@ -60,3 +60,33 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+# ---- LoRA over a packed batch ------------------------------------------------------------------
+# One fused projection of one layer, for the adapters resident in ``num_slots`` slots:
+# - ``a_stack`` ``[num_slots, max_rank, in_features]``: slot s's A (its parts' A stacked), rows
+#   past the adapter's rank zero;
+# - ``b_stack`` ``[num_slots, max_rank, out_features]``: slot s's B transposed, each part's B in
+#   its block of columns (scaling folded in), zeros elsewhere;
+# - ``slot_ids`` ``[num_tokens]`` (int32): token row t uses slot ``slot_ids[t]``; -1: no adapter.
+# The shrink is ``y[t] = a_stack[s] @ x[t]`` in float32, the expand ``out[t] += y[t] @ b_stack[s]``
+# in float32 with one rounding to out's dtype. Rows without an adapter are left untouched.
+
+def lora_shrink_reference(x: torch.Tensor, a_stack: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """``[num_tokens, max_rank]`` float32; rows with slot -1 are zero."""
+    y = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+    for slot in slot_ids.unique().tolist():
+        if slot < 0:
+            continue
+        rows = slot_ids == slot
+        y[rows] = x[rows].float() @ a_stack[slot].float().T
+    return y
+
+
+def lora_expand_reference(y: torch.Tensor, b_stack: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[t] += y[t] @ b_stack[slot_ids[t]]`` in place, for rows with a slot."""
+    for slot in slot_ids.unique().tolist():
+        if slot < 0:
+            continue
+        rows = slot_ids == slot
+        out[rows] = (out[rows].float() + y[rows] @ b_stack[slot].float()).to(out.dtype)

@@ -73,6 +73,26 @@ def compile_all() -> list[str]:
                                  f"h{num_heads}/kv{num_kv_heads} d{head_dim} {name}: {compiled.metadata.shared} B shared")
                         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
                         done.append(label)
+    # LoRA's shrink/expand: SmolLM2's qkv (rank 64 x 3 parts) and a 4096 -> 14336 MLP projection.
+    from kernels.triton_lora import expand_launch, shrink_launch
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for num_tokens, in_features, out_features, max_rank in ((64, 576, 960, 192), (512, 4096, 28672, 128)):
+            x = torch.empty(num_tokens, in_features, dtype=dtype, device=meta)
+            y = torch.empty(num_tokens, max_rank, dtype=torch.float32, device=meta)
+            slot_ids = torch.empty(num_tokens, dtype=torch.int32, device=meta)
+            slot_ranks = torch.empty(4, dtype=torch.int32, device=meta)
+            launches = [shrink_launch(x, torch.empty(4, max_rank, in_features, dtype=dtype, device=meta), slot_ids,
+                                      slot_ranks, y),
+                        expand_launch(y, torch.empty(4, max_rank, out_features, dtype=dtype, device=meta), slot_ids,
+                                      slot_ranks, torch.empty(num_tokens, out_features, dtype=dtype, device=meta))]
+            for launch in launches:
+                for capability, warp_size in TARGETS if dtype == torch.bfloat16 else TARGETS[:1]:
+                    compiled = triton.compile(ASTSource(launch.kernel, signature(launch), launch.constexprs),
+                                              target=GPUTarget("cuda", capability, warp_size))
+                    label = (f"{launch.kernel.__name__} sm_{capability} {type_names[dtype]} "
+                             f"{in_features}->{out_features} r{max_rank}: {compiled.metadata.shared} B shared")
+                    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
+                    done.append(label)
     return done
 
 
@@ -86,6 +106,8 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
     # per (dtype, layout, batch kind): attention + cache write (+ merge when split), on sm_90;
     # bfloat16 on sm_80 too
     assert len(compiled) >= 2 * len(LAYOUTS) * 3 * (3 + 1), done.stdout[-2000:]
+    lora = [line for line in compiled if line.startswith("_lora_")]
+    assert len(lora) == 2 * 2 * (2 + 1 + 1), lora   # 2 kernels x 2 shapes x (bf16 on two targets, fp16, fp32)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ import torch
 
 from backend import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from backend.lora.adapter import LoRAAdapter
-from backend.lora.batch import LoRAStep, add_lora, add_lora_per_row, lora_step
+from backend.lora.batch import add_lora, add_lora_per_row, lora_batch
 from backend.lora.registry import MULTI_LORA_FILE
+from backend.lora.slots import LoRABackend, LoRASlots, batch_for_rows
 from backend.lora.synthetic import MODULES, model_with_adapters
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import hf_greedy
@@ -142,43 +143,102 @@ def test_a_shared_prefix_is_cached_once_per_adapter_and_never_crosses(lora_model
     assert hits == [0, 64, 0, 0, 64, 64], hits
 
 
-def test_tiny_llama_adapter_matches_peft(tmp_path: Path, model_dir: Path, prose_ids: list[int]) -> None:
-    base = tmp_path / "tiny-llama"
+@pytest.fixture(scope="module")
+def tiny_llama_with_adapters(tmp_path_factory, model_dir: Path, prose_ids: list[int]):
+    """A tiny random Llama with two adapters, four mixed requests and peft's tokens for them."""
+    base = tmp_path_factory.mktemp("tiny-llama")
     hf_model = make_tiny_model("llama", base, model_dir)
-    folder = model_with_adapters(base, tmp_path / "with-adapters",
+    folder = model_with_adapters(base, tmp_path_factory.mktemp("with-adapters"),
                                  {"tiny-a": (8, 16, MODULES, 4), "tiny-b": (4, 4, ("q_proj", "down_proj"), 5)})
     requests = [("tiny-a", prose_ids[:40]), (None, prose_ids[5:30]), ("tiny-b", prose_ids[50:110]),
                 ("tiny-a", prose_ids[200:215])]
     by_adapter: dict[str | None, list[list[int]]] = {}
     for adapter, prompt in requests:
         by_adapter.setdefault(adapter, []).append(prompt)
-    references = peft_references(hf_model, folder, by_adapter)
+    return folder, requests, expected_in_order(requests, peft_references(hf_model, folder, by_adapter))
+
+
+def test_tiny_llama_adapter_matches_peft(tiny_llama_with_adapters) -> None:
+    folder, requests, expected = tiny_llama_with_adapters
     engine = Engine(EngineConfig(model=str(folder), **FAST, block_size=16, num_kv_blocks=128,
                                  max_num_batched_tokens=32, max_num_seqs=8))
-    assert run_mixed(engine, requests) == expected_in_order(requests, references)
+    assert run_mixed(engine, requests) == expected
 
 
-def test_batched_delta_equals_the_per_row_reference(lora_model: Path) -> None:
+def test_triton_kernels_and_decode_graphs_match_peft(tiny_llama_with_adapters) -> None:
+    """The CUDA path on CPU: Triton attention and LoRA kernels (interpreter) over the slot
+    stacks, and decode steps through the CUDA-graph runner (eager here, padded to its batch
+    sizes), which reads every row's adapter slot from the step buffers."""
+    from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
+
+    folder, requests, expected = tiny_llama_with_adapters
+    # max_lora_rank 8 (the adapters' largest): the interpreter runs a program per rank block.
+    engine = Engine(EngineConfig(model=str(folder), **FAST, attention_backend="triton", block_size=16,
+                                 num_kv_blocks=128, max_num_batched_tokens=32, max_num_seqs=8, max_lora_rank=8))
+    runner = engine.runner
+    assert runner.lora_slots is not None and runner.lora_slots.backend == LoRABackend.TRITON
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.buffers, runner.kv_caches, capture_sizes(8),
+                                        runner.max_model_len, capture=False, lora=runner.lora_slots)
+    graph_steps = 0
+    original_run = runner.decode_graphs.run
+
+    def counting_run(num_seqs: int):
+        nonlocal graph_steps
+        graph_steps += 1
+        return original_run(num_seqs)
+
+    runner.decode_graphs.run = counting_run
+    assert run_mixed(engine, requests) == expected
+    assert graph_steps > 0, "no decode step went through the graph runner"
+
+
+@pytest.mark.parametrize("backend", list(LoRABackend), ids=lambda b: b.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batched_delta_equals_the_per_row_reference(lora_model: Path, backend: LoRABackend,
+                                                    dtype: torch.dtype) -> None:
+    """Every backend of the slots (C kernel, Triton kernels, torch) against the per-row reference,
+    with the three adapters' different ranks and target modules and rows of the base model."""
+    arch = ModelArchitecture.from_folder(str(lora_model))
+    adapters = [LoRAAdapter.load(name, i + 1, lora_model / "adapters" / name, arch, dtype,
+                                 torch.device("cpu")) for i, name in enumerate(ADAPTERS)]
+    # Rows of one adapter in two separate ranges and in one range.
+    layout = [(adapters[0], 3), (None, 2), (adapters[1], 4), (adapters[0], 1), (adapters[2], 6)]
+    row_adapters = [adapter for adapter, rows in layout for _ in range(rows)]
+    slots = LoRASlots(4, 16, 16, arch, dtype, torch.device("cpu"), backend)
+    batch = batch_for_rows(slots, row_adapters)
+    generator = torch.Generator().manual_seed(0)
+    qkv_width = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    for projection, (fan_in, fan_out) in {"qkv": (arch.hidden_size, qkv_width), "o": (arch.hidden_size, arch.hidden_size),
+                                          "down": (arch.intermediate_size, arch.hidden_size)}.items():
+        x = torch.randn(16, fan_in, generator=generator).to(dtype)
+        base = torch.randn(16, fan_out, generator=generator).to(dtype)
+        fast, slow = base.clone(), base.clone()
+        with lora_batch(batch):
+            add_lora(fast, x, 3, projection)
+        add_lora_per_row(slow, x, 3, projection, row_adapters)
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(fast, slow, rtol=tolerance, atol=tolerance)
+        assert not torch.equal(fast, base)
+        torch.testing.assert_close(fast[3:5], base[3:5], rtol=0, atol=0)   # base-model rows untouched
+
+
+def test_slots_are_reused_least_recently_used_first(lora_model: Path) -> None:
     arch = ModelArchitecture.from_folder(str(lora_model))
     adapters = [LoRAAdapter.load(name, i + 1, lora_model / "adapters" / name, arch, torch.float32,
                                  torch.device("cpu")) for i, name in enumerate(ADAPTERS)]
-    # Rows of one adapter in two separate ranges (a gather) and in one range (a slice).
-    layout = [(adapters[0], 0, 3), (None, 3, 5), (adapters[1], 5, 9), (adapters[0], 9, 10), (adapters[2], 10, 16)]
-    row_adapters = [adapter for adapter, start, end in layout for _ in range(start, end)]
-    step = LoRAStep.build(layout, torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    qkv_width = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    for projection, (fan_in, fan_out) in {"qkv": (arch.hidden_size, qkv_width),
-                                          "down": (arch.intermediate_size, arch.hidden_size)}.items():
-        x = torch.randn(16, fan_in, generator=generator)
-        base = torch.randn(16, fan_out, generator=generator)
-        fast, slow = base.clone(), base.clone()
-        with lora_step(step):
-            add_lora(fast, x, 3, projection)
-        add_lora_per_row(slow, x, 3, projection, row_adapters)
-        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
-        assert not torch.equal(fast, base)
-        torch.testing.assert_close(fast[3:5], base[3:5], rtol=0, atol=0)   # base-model rows untouched
+    slots = LoRASlots(2, 16, 8, arch, torch.float32, torch.device("cpu"), LoRABackend.TRITON)
+    first = slots.assign(adapters[:2])
+    assert sorted(first.values()) == [0, 1]
+    slots.assign([adapters[1]])
+    # adapters[0] was used longest ago: its slot takes adapters[2]; adapters[1] stays in place.
+    third = slots.assign([adapters[2], adapters[1]])
+    assert third == {adapters[2].lora_id: first[adapters[0].lora_id], adapters[1].lora_id: first[adapters[1].lora_id]}
+    slot = third[adapters[2].lora_id]
+    width = adapters[2].layers[0]["gate_up"].a.shape[0]
+    torch.testing.assert_close(slots.a_stacks[0]["gate_up"][slot, :width], adapters[2].layers[0]["gate_up"].a)
+    assert not slots.a_stacks[0]["qkv"][slot].any(), "the evicted adapter's qkv weights were left behind"
+    with pytest.raises(RuntimeError, match="3 adapters"):
+        slots.assign(adapters)
 
 
 def test_adapter_names_are_checked_and_the_list_is_live(lora_model: Path, prose_ids: list[int]) -> None:

@@ -136,7 +136,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed,
                                    cost_model=self.cost_model)
         # LoRA adapters by name (multi_lora.json in the model folder), resolved at validation.
-        self.loras = LoRARegistry(config.model, self.arch, self.runner.dtype, self.runner.device)
+        self.loras = LoRARegistry(config.model, self.arch, self.runner.dtype, self.runner.device,
+                                 config.max_lora_rank)
         self.validator = self.make_validator()
         self._grammars: GrammarService | None = None   # built on the first structured-output request
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests

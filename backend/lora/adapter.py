@@ -44,7 +44,7 @@ class LoRAPart:
     out_end: int
     rank_start: int          # this part's rows of the stacked A
     rank_end: int
-    b: torch.Tensor          # [out_end - out_start, rank], scaling folded in
+    b_t: torch.Tensor        # B transposed, [rank, out_end - out_start] contiguous, scaling folded in
 
 
 @dataclass
@@ -67,7 +67,7 @@ class LoRAAdapter:
 
     @property
     def num_bytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + sum(part.b.numel() * part.b.element_size() for part in p.parts)
+        return sum(p.a.numel() * p.a.element_size() + sum(part.b_t.numel() * part.b_t.element_size() for part in p.parts)
                    for layer in self.layers for p in layer.values())
 
     @classmethod
@@ -131,11 +131,11 @@ class LoRAAdapter:
                     r0 = len(a_parts) * rank
                     a_parts.append(a)
                     parts.append(LoRAPart(start, end, r0, r0 + rank,
-                                          (b.float() * scaling).to(device=device, dtype=dtype).contiguous()))
+                                          (b.float() * scaling).T.to(device=device, dtype=dtype).contiguous()))
                 if parts:
                     b_t = torch.zeros(parts[-1].rank_end, slices[projection][-1][1], dtype=dtype, device=device)
                     for part in parts:
-                        b_t[part.rank_start:part.rank_end, part.out_start:part.out_end] = part.b.T
+                        b_t[part.rank_start:part.rank_end, part.out_start:part.out_end] = part.b_t
                     layers[layer][projection] = LoRAProjection(
                         torch.cat(a_parts).to(device=device, dtype=dtype).contiguous(), parts, b_t)
         if not any(layers):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from backend.errors import InvalidRequestError
-from backend.lora.adapter import LoRAAdapter
+from backend.lora.adapter import MAX_RANK, LoRAAdapter
 from backend.model.architecture import ModelArchitecture
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ MULTI_LORA_FILE = "multi_lora.json"
 
 class LoRARegistry:
     def __init__(self, model_folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_rank: int = MAX_RANK) -> None:
         self.path = Path(model_folder) / MULTI_LORA_FILE
+        self.max_rank = max_rank
         self.arch, self.dtype, self.device = arch, dtype, device
         self._lock = threading.Lock()      # callers' threads resolve names; the loop thread reads by id
         self._mtime: tuple[int, int] | None = None   # (mtime, size) of the file last read
@@ -66,6 +67,9 @@ class LoRARegistry:
                 started = time.perf_counter()
                 adapter = LoRAAdapter.load(name, next(self._ids), folder, self.arch, self.dtype, self.device)
                 seconds = time.perf_counter() - started
+                if adapter.rank > self.max_rank:
+                    raise InvalidRequestError("lora_name", f"adapter {name!r} has rank {adapter.rank}; this "
+                                              f"server takes up to {self.max_rank} (max_lora_rank)")
                 self.load_seconds.append(seconds)
                 logger.info("loaded LoRA adapter %r (rank %d, %.1f MiB) from %s in %.2f s", name, adapter.rank,
                             adapter.num_bytes / 2**20, folder, seconds)

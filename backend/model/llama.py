@@ -16,7 +16,8 @@ from torch import nn
 
 import kernels
 from kernels import cpu_native
-from backend.lora.batch import LoRAStep, add_lora, lora_step
+from backend.lora.batch import add_lora, lora_batch
+from backend.lora.slots import LoRABatch
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import Float32Logits, NativeLinear, PackedLinear, replace_linears
 
@@ -77,7 +78,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor    # rows whose next-token logits are needed
     max_query_len: int              # host-side bounds: kernels pick launch shapes without a device sync
     max_seq_len: int
-    lora: LoRAStep | None = None    # which token rows use which LoRA adapter (backend/lora/batch.py)
+    lora: LoRABatch | None = None   # each token row's LoRA adapter slot (backend/lora/slots.py)
 
 
 class Attention(nn.Module):
@@ -190,7 +191,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns float32 logits for the rows in ``meta.logits_indices``."""
-        with lora_step(meta.lora):
+        with lora_batch(meta.lora):
             return self._forward(input_ids, meta, kv_caches)
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backend.lora.slots import NO_SLOT, LoRABatch, LoRASlots
 from backend.model.llama import AttentionMetadata
 from backend.worker.step_buffers import StepBuffers
 
@@ -35,12 +36,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches, batch_sizes: list[int],
-                 max_seq_len: int, capture: bool = True) -> None:
+                 max_seq_len: int, capture: bool = True, lora: LoRASlots | None = None) -> None:
         """``buffers``: the step buffers on the model's device (read in place at replay);
-        ``max_seq_len``: the longest sequence any replay may attend over (max_model_len)."""
+        ``max_seq_len``: the longest sequence any replay may attend over (max_model_len);
+        ``lora``: adapter slots to include (each row's slot read from ``buffers.lora_slots``,
+        so one graph serves any mix of adapters and the base model)."""
         self.model = model
         self.buffers = buffers
         self.kv_caches = kv_caches
+        self.lora = lora
         self.max_seq_len = max_seq_len
         self.batch_sizes = sorted(batch_sizes)
         self.capture = capture
@@ -67,7 +71,8 @@ class DecodeGraphs:
             positions=buf.positions[:batch_size], slot_mapping=buf.slot_mapping[:batch_size],
             query_start_loc=self.query_start_loc[:batch_size + 1], seq_lens=buf.seq_lens[:batch_size],
             block_tables=buf.block_tables[:batch_size], logits_indices=self.logits_indices[:batch_size],
-            max_query_len=1, max_seq_len=self.max_seq_len)
+            max_query_len=1, max_seq_len=self.max_seq_len,
+            lora=None if self.lora is None else LoRABatch(self.lora, buf.lora_slots[:batch_size]))
 
     def _pad(self, num_seqs: int, batch_size: int) -> None:
         """Rows num_seqs..batch_size become harmless decodes: token 0 at position 0, no KV
@@ -81,6 +86,7 @@ class DecodeGraphs:
         buf.slot_mapping[rows] = -1
         buf.seq_lens[rows] = 1
         buf.block_tables[rows, 0] = 0
+        buf.lora_slots[rows] = NO_SLOT
 
     def _forward(self, batch_size: int) -> torch.Tensor:
         return self.model(self.buffers.input_ids[:batch_size], self._meta(batch_size), self.kv_caches)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -22,7 +23,8 @@ import kernels
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request
-from backend.lora.batch import LoRAStep
+from backend.lora.registry import MULTI_LORA_FILE
+from backend.lora.slots import NO_SLOT, LoRABackend, LoRABatch, LoRASlots
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear import resolve_cpu_linear
@@ -117,6 +119,13 @@ class ModelRunner:
         # waits for the GPU, so the next prepare() could otherwise race the copy).
         self._inputs_copied: torch.cuda.Event | None = None
 
+        # LoRA slots: made at start when the model folder lists adapters (on CUDA their weights
+        # are then counted before the KV cache takes the rest, and the decode graphs include
+        # LoRA), else at the first adapter request.
+        self.lora_slots: LoRASlots | None = None
+        if (Path(config.model) / MULTI_LORA_FILE).exists():
+            self._make_lora_slots()
+
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
 
@@ -129,7 +138,14 @@ class ModelRunner:
         # CUDA graph cannot capture: graphs go with the Triton kernels only.
         if on_cuda and not config.enforce_eager and self.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, capture_sizes(self.max_seqs),
-                                              self.max_model_len, capture=True)
+                                              self.max_model_len, capture=True, lora=self.lora_slots)
+
+    def _make_lora_slots(self) -> LoRASlots:
+        backend = LoRABackend.for_attention_backend(self.attention_backend)
+        self.lora_slots = LoRASlots(self.config.max_loras, self.config.max_lora_rank, self.max_tokens, self.arch,
+                                    self.dtype, self.device, backend)
+        logger.info("LoRA: %d adapter slots, %s backend", self.config.max_loras, backend.value)
+        return self.lora_slots
 
     # ---- memory ------------------------------------------------------------------------------
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -240,6 +256,7 @@ class ModelRunner:
                 host["logits_indices"][num_logits:num_logits + rows] = np.arange(token - rows, token)
                 num_logits += rows
                 sampling.append(request)
+        lora = self._lora_batch(requests, token)
         if self.buffers is not self.host:
             self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs))
             if self.device.type == "cuda":
@@ -251,16 +268,25 @@ class ModelRunner:
             positions=buf.positions[:token], slot_mapping=buf.slot_mapping[:token],
             query_start_loc=buf.query_start_loc[:num_seqs + 1], seq_lens=buf.seq_lens[:num_seqs],
             block_tables=buf.block_tables[:num_seqs], logits_indices=buf.logits_indices[:num_logits],
-            max_query_len=max_query_len, max_seq_len=max_seq_len, lora=self._lora_step(requests))
+            max_query_len=max_query_len, max_seq_len=max_seq_len, lora=lora)
         return buf.input_ids[:token], meta, sampling
 
-    def _lora_step(self, requests: list[Request]) -> LoRAStep | None:
-        """Token rows per LoRA adapter, from the packed layout (query_start_loc) just written."""
-        if all(r.lora is None for r in requests):
+    def _lora_batch(self, requests: list[Request], num_tokens: int) -> LoRABatch | None:
+        """Each token row's adapter slot, written to the step buffers from the packed layout
+        (query_start_loc) just written; None for a step of the base model alone. Once slots
+        exist every step writes its rows (-1 for the base model): a decode graph that
+        includes LoRA reads them whatever the step holds."""
+        has_lora = any(r.lora is not None for r in requests)
+        if not has_lora and self.lora_slots is None:
             return None
-        starts = self._host_np["query_start_loc"]
-        return LoRAStep.build([(r.lora, int(starts[i]), int(starts[i + 1])) for i, r in enumerate(requests)],
-                              self.device)
+        slots = self.lora_slots or self._make_lora_slots()
+        slot_of = slots.assign([r.lora for r in requests if r.lora is not None])
+        starts, ids = self._host_np["query_start_loc"], self._host_np["lora_slots"]
+        for row, request in enumerate(requests):
+            ids[starts[row]:starts[row + 1]] = NO_SLOT if request.lora is None else slot_of[request.lora.lora_id]
+        if not has_lora:
+            return None
+        return LoRABatch(slots, self.buffers.lora_slots[:num_tokens])
 
     def synchronize(self) -> None:
         """Wait for the device to finish what was queued (a no-op on CPU)."""
@@ -273,6 +299,7 @@ class ModelRunner:
         sequence, every sequence samples) replay a captured CUDA graph when there is one."""
         num_seqs = meta.seq_lens.shape[0]
         decode_only = meta.max_query_len == 1 and meta.logits_indices.shape[0] == input_ids.shape[0] == num_seqs
-        if decode_only and meta.lora is None and self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
-            return self.decode_graphs.run(num_seqs)
+        graphs = self.decode_graphs
+        if decode_only and graphs is not None and graphs.covers(num_seqs) and (meta.lora is None or graphs.lora):
+            return graphs.run(num_seqs)
         return self.model(input_ids, meta, self.kv_caches)

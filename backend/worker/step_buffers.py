@@ -21,6 +21,7 @@ class StepBuffers:
     seq_lens: torch.Tensor        # [max_seqs] int32
     block_tables: torch.Tensor    # [max_seqs, max_blocks_per_seq] int32
     logits_indices: torch.Tensor  # [max_tokens] int64 (a row per sequence, or per verified draft position)
+    lora_slots: torch.Tensor      # [max_tokens] int32: each token row's LoRA adapter slot, -1 = none
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
@@ -30,7 +31,7 @@ class StepBuffers:
         return cls(new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int64),
                    new(max_tokens, dtype=torch.int64), new(max_seqs + 1, dtype=torch.int32),
                    new(max_seqs, dtype=torch.int32), new(max_seqs, max_blocks_per_seq, dtype=torch.int32),
-                   new(max_tokens, dtype=torch.int64))
+                   new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int32).fill_(-1))
 
     def numpy(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
@@ -40,7 +41,7 @@ class StepBuffers:
         """Asynchronous host->device copy of the live rows (the host side is pinned)."""
         for name, rows in (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
                            ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs),
-                           ("logits_indices", num_logits)):
+                           ("logits_indices", num_logits), ("lora_slots", num_tokens)):
             getattr(self, name)[:rows].copy_(getattr(other, name)[:rows], non_blocking=True)
         # Only the columns this step's sequences use; later columns are never read.
         self.block_tables[:num_seqs, :num_block_columns].copy_(
