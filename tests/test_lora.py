@@ -237,6 +237,13 @@ def test_slots_are_reused_least_recently_used_first(lora_model: Path) -> None:
     width = adapters[2].layers[0]["gate_up"].a.shape[0]
     torch.testing.assert_close(slots.a_stacks[0]["gate_up"][slot, :width], adapters[2].layers[0]["gate_up"].a)
     assert not slots.a_stacks[0]["qkv"][slot].any(), "the evicted adapter's qkv weights were left behind"
+    # The evicted adapter comes back, into the slot least recently used (adapters[2]'s).
+    slots.assign([adapters[1]])
+    back = slots.assign([adapters[0]])
+    assert back == {adapters[0].lora_id: slot}
+    width = adapters[0].layers[0]["qkv"].a.shape[0]
+    torch.testing.assert_close(slots.a_stacks[0]["qkv"][back[adapters[0].lora_id], :width],
+                               adapters[0].layers[0]["qkv"].a)
     with pytest.raises(RuntimeError, match="3 adapters"):
         slots.assign(adapters)
 
