@@ -17,9 +17,9 @@ How a slot holds its adapter depends on the backend:
 - ``torch``: one shrink and one expand matmul per slot of the step (no C compiler here, or
   the reference attention backend): the obvious fallback.
 
-A slot whose adapter no step uses is reused last-recently-used first. An adapter evicted
-while one of its requests is still running (possible only when more than ``max_loras``
-adapters took turns, e.g. under a small token budget) is copied back in at its next step.
+A slot is reused least recently used first, never one that an adapter of the same step
+holds. An adapter evicted while one of its requests still runs (its request got no tokens
+in a step that brought in a new adapter) is copied back in at its next step.
 """
 
 from __future__ import annotations
