@@ -157,14 +157,11 @@ class SamplingParams:
             fail("logprobs", "an integer in [0, 20] or null")
         if not isinstance(self.speculative, bool):
             fail("speculative", "a boolean")
-        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name
-                                           or len(self.lora_name) > MAX_CACHE_SALT_CHARS
-                                           or not is_encodable(self.lora_name)):
-            fail("lora_name", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters or null")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
-                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
-                                            or not is_encodable(self.cache_salt)):
-            fail("cache_salt", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters or null")
+        for name in ("lora_name", "cache_salt"):   # names a client picks: short, non-empty text
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT_CHARS
+                                      or not is_encodable(value)):
+                fail(name, f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters or null")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS

@@ -347,27 +347,26 @@ class HAProxy(ConfiguredProcess):
         states = self.server_states()
         return bool(states) and all(s == "UP" for backend in states.values() for s in backend.values())
 
-    def server_states(self) -> dict[str, dict[str, str]]:
-        """{backend: {server: status}} from HAProxy's stats CSV ({} while it does not answer)."""
+    def stats_rows(self) -> list[dict[str, str]] | None:
+        """HAProxy's stats CSV, a dict per proxy/server row; None while it does not answer."""
         try:
             with urllib.request.urlopen(f"{self.stats_url};csv", timeout=2) as response:
                 text = response.read().decode()
         except (urllib.error.URLError, OSError):
-            return {}
+            return None
+        return list(csv.DictReader(io.StringIO(text.lstrip("# "))))
+
+    def server_states(self) -> dict[str, dict[str, str]]:
+        """{backend: {server: status}} from HAProxy's stats CSV ({} while it does not answer)."""
         states: dict[str, dict[str, str]] = {}
-        for row in csv.DictReader(io.StringIO(text.lstrip("# "))):
+        for row in self.stats_rows() or []:
             if row["svname"] not in ("FRONTEND", "BACKEND"):
                 states.setdefault(row["pxname"], {})[row["svname"]] = row["status"].split()[0]
         return states
 
     def sessions_in_flight(self, backend: str = "triton_http") -> int | None:
         """Streams the backend holds now (stats ``scur``); None while HAProxy does not answer."""
-        try:
-            with urllib.request.urlopen(f"{self.stats_url};csv", timeout=2) as response:
-                text = response.read().decode()
-        except (urllib.error.URLError, OSError):
-            return None
-        for row in csv.DictReader(io.StringIO(text.lstrip("# "))):
+        for row in self.stats_rows() or []:
             if row["pxname"] == backend and row["svname"] == "BACKEND":
                 return int(row["scur"] or 0)
         return None

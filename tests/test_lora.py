@@ -192,15 +192,20 @@ def test_triton_kernels_and_decode_graphs_match_peft(tiny_llama_with_adapters) -
     assert graph_steps > 0, "no decode step went through the graph runner"
 
 
+def load_adapters(lora_model: Path, dtype: torch.dtype) -> tuple[ModelArchitecture, list[LoRAAdapter]]:
+    """The model's architecture and its ADAPTERS loaded on CPU, outside an engine."""
+    arch = ModelArchitecture.from_folder(str(lora_model))
+    return arch, [LoRAAdapter.load(name, i + 1, lora_model / "adapters" / name, arch, dtype, torch.device("cpu"))
+                  for i, name in enumerate(ADAPTERS)]
+
+
 @pytest.mark.parametrize("backend", list(LoRABackend), ids=lambda b: b.value)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_batched_delta_equals_the_per_row_reference(lora_model: Path, backend: LoRABackend,
                                                     dtype: torch.dtype) -> None:
     """Every backend of the slots (C kernel, Triton kernels, torch) against the per-row reference,
     with the three adapters' different ranks and target modules and rows of the base model."""
-    arch = ModelArchitecture.from_folder(str(lora_model))
-    adapters = [LoRAAdapter.load(name, i + 1, lora_model / "adapters" / name, arch, dtype,
-                                 torch.device("cpu")) for i, name in enumerate(ADAPTERS)]
+    arch, adapters = load_adapters(lora_model, dtype)
     # Rows of one adapter in two separate ranges and in one range.
     layout = [(adapters[0], 3), (None, 2), (adapters[1], 4), (adapters[0], 1), (adapters[2], 6)]
     row_adapters = [adapter for adapter, rows in layout for _ in range(rows)]
@@ -223,9 +228,7 @@ def test_batched_delta_equals_the_per_row_reference(lora_model: Path, backend: L
 
 
 def test_slots_are_reused_least_recently_used_first(lora_model: Path) -> None:
-    arch = ModelArchitecture.from_folder(str(lora_model))
-    adapters = [LoRAAdapter.load(name, i + 1, lora_model / "adapters" / name, arch, torch.float32,
-                                 torch.device("cpu")) for i, name in enumerate(ADAPTERS)]
+    arch, adapters = load_adapters(lora_model, torch.float32)
     slots = LoRASlots(2, 16, 8, arch, torch.float32, torch.device("cpu"), LoRABackend.TRITON)
     first = slots.assign(adapters[:2])
     assert sorted(first.values()) == [0, 1]
@@ -246,6 +249,14 @@ def test_slots_are_reused_least_recently_used_first(lora_model: Path) -> None:
                                adapters[0].layers[0]["qkv"].a)
     with pytest.raises(RuntimeError, match="3 adapters"):
         slots.assign(adapters)
+
+
+def test_adapters_above_max_lora_rank_are_refused(lora_model: Path) -> None:
+    engine = Engine(EngineConfig(model=str(lora_model), **FAST, num_kv_blocks=32, max_lora_rank=4))
+    with pytest.raises(InvalidRequestError, match=r"rank 8 is outside \[1, 4\] \(max_lora_rank\)"):
+        engine.add_request("big", [1, 2, 3], SamplingParams(max_tokens=2, lora_name="all-r8"))
+    engine.add_request("small", [1, 2, 3], SamplingParams(max_tokens=2, lora_name="attn-r4"))
+    assert len(engine.loras.load_seconds) == 1, "only the adapter that loaded is timed"
 
 
 def test_adapter_names_are_checked_and_the_list_is_live(lora_model: Path, prose_ids: list[int]) -> None:

@@ -30,6 +30,12 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
+def projection_inputs(arch: ModelArchitecture) -> dict[str, int]:
+    """The input width of each fused projection."""
+    return {"qkv": arch.hidden_size, "o": arch.num_heads * arch.head_dim, "gate_up": arch.hidden_size,
+            "down": arch.intermediate_size}
+
+
 def part_slices(arch: ModelArchitecture) -> dict[str, list[tuple[int, int]]]:
     """The output columns of each part of each fused projection."""
     q, kv, inter, hidden = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
@@ -72,8 +78,9 @@ class LoRAAdapter:
 
     @classmethod
     def load(cls, name: str, lora_id: int, folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype,
-             device: torch.device) -> "LoRAAdapter":
-        """Read and check a PEFT LoRA folder. Errors name the adapter and what is unsupported."""
+             device: torch.device, max_rank: int = MAX_RANK) -> "LoRAAdapter":
+        """Read and check a PEFT LoRA folder; ``max_rank``: the largest rank served
+        (EngineConfig.max_lora_rank). Errors name the adapter and what is unsupported."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -95,8 +102,8 @@ class LoRAAdapter:
                 or config.get("layers_to_transform") is not None or config.get("modules_to_save"):
             raise refuse("bias, rank/alpha patterns, layers_to_transform and modules_to_save are not supported")
         rank = int(config["r"])
-        if not 1 <= rank <= MAX_RANK:
-            raise refuse(f"rank {rank} is outside [1, {MAX_RANK}]")
+        if not 1 <= rank <= max_rank:
+            raise refuse(f"rank {rank} is outside [1, {max_rank}] (max_lora_rank)")
         alpha = float(config.get("lora_alpha", rank))
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
@@ -111,8 +118,7 @@ class LoRAAdapter:
             weights.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
 
         slices = part_slices(arch)
-        inputs = {"qkv": arch.hidden_size, "o": arch.num_heads * arch.head_dim, "gate_up": arch.hidden_size,
-                  "down": arch.intermediate_size}
+        inputs = projection_inputs(arch)
         layers: list[dict[str, LoRAProjection]] = [{} for _ in range(arch.num_layers)]
         for layer in range(arch.num_layers):
             for projection in PROJECTIONS:

@@ -65,11 +65,9 @@ class LoRARegistry:
             adapter = self._loaded.get(name)
             if adapter is None or adapter.folder != folder:
                 started = time.perf_counter()
-                adapter = LoRAAdapter.load(name, next(self._ids), folder, self.arch, self.dtype, self.device)
+                adapter = LoRAAdapter.load(name, next(self._ids), folder, self.arch, self.dtype, self.device,
+                                           self.max_rank)
                 seconds = time.perf_counter() - started
-                if adapter.rank > self.max_rank:
-                    raise InvalidRequestError("lora_name", f"adapter {name!r} has rank {adapter.rank}; this "
-                                              f"server takes up to {self.max_rank} (max_lora_rank)")
                 self.load_seconds.append(seconds)
                 logger.info("loaded LoRA adapter %r (rank %d, %.1f MiB) from %s in %.2f s", name, adapter.rank,
                             adapter.num_bytes / 2**20, folder, seconds)

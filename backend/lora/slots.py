@@ -29,8 +29,9 @@ from enum import Enum
 
 import torch
 
-from backend.lora.adapter import PROJECTIONS, LoRAAdapter, part_slices
+from backend.lora.adapter import PROJECTIONS, LoRAAdapter, part_slices, projection_inputs
 from backend.model.architecture import ModelArchitecture
+from kernels import cpu_native
 
 NO_SLOT = -1
 
@@ -45,7 +46,6 @@ class LoRABackend(str, Enum):
         if attention_backend == "triton":
             return cls.TRITON
         if attention_backend == "cpu":
-            from kernels import cpu_native
             if cpu_native.load() is not None:
                 return cls.CPU
         return cls.TORCH
@@ -62,8 +62,7 @@ class LoRASlots:
         self._clock = 0
         num_layers = arch.num_layers
         outputs = {name: parts[-1][1] for name, parts in part_slices(arch).items()}
-        inputs = {"qkv": arch.hidden_size, "o": arch.num_heads * arch.head_dim, "gate_up": arch.hidden_size,
-                  "down": arch.intermediate_size}
+        inputs = projection_inputs(arch)
         num_parts = {name: len(parts) for name, parts in part_slices(arch).items()}
         # Which projections some resident adapter adapts: the others skip LoRA entirely.
         self._adapted: dict[str, int] = {name: 0 for name in PROJECTIONS}
@@ -72,8 +71,7 @@ class LoRASlots:
         self.a_stacks: list[dict[str, torch.Tensor]] = []
         self.b_stacks: list[dict[str, torch.Tensor]] = []
         if backend == LoRABackend.CPU:
-            from kernels.cpu_native import LORA_SLOT_FIELDS
-            self.tables = [{name: torch.zeros(max_loras, LORA_SLOT_FIELDS, dtype=torch.int64) for name in PROJECTIONS}
+            self.tables = [{name: torch.zeros(max_loras, cpu_native.LORA_SLOT_FIELDS, dtype=torch.int64) for name in PROJECTIONS}
                            for _ in range(num_layers)]
         elif backend == LoRABackend.TRITON:
             self.a_stacks = [{name: torch.zeros(max_loras, max_rank * num_parts[name], inputs[name], dtype=dtype,
@@ -131,13 +129,12 @@ class LoRASlots:
             for name in PROJECTIONS:
                 projection = weights.get(name)
                 if self.backend == LoRABackend.CPU:
-                    from kernels.cpu_native import lora_slot_fields
                     # The adapter object (held in self.adapters) keeps these tensors alive.
                     parts = [] if projection is None else [
                         (part.b_t, part.rank_start, part.rank_end, part.out_start, part.out_end)
                         for part in projection.parts]
                     self.tables[layer][name][slot] = torch.tensor(
-                        lora_slot_fields(None if projection is None else projection.a, parts))
+                        cpu_native.lora_slot_fields(None if projection is None else projection.a, parts))
                 elif self.backend == LoRABackend.TRITON:
                     a_stack, b_stack = self.a_stacks[layer][name], self.b_stacks[layer][name]
                     a_stack[slot].zero_()
@@ -166,7 +163,6 @@ class LoRASlots:
         elif not self._adapted[projection]:
             return
         elif self.backend == LoRABackend.CPU:
-            from kernels import cpu_native
             cpu_native.lora_apply(x, out, batch.slot_ids, self.tables[layer][projection])
         else:
             for slot, rows in batch.row_groups():

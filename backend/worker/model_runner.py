@@ -258,7 +258,8 @@ class ModelRunner:
                 sampling.append(request)
         lora = self._lora_batch(requests, token)
         if self.buffers is not self.host:
-            self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs))
+            self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs),
+                                        token if self.lora_slots is not None else 0)
             if self.device.type == "cuda":
                 if self._inputs_copied is None:
                     self._inputs_copied = torch.cuda.Event()
@@ -276,16 +277,16 @@ class ModelRunner:
         (query_start_loc) just written; None for a step of the base model alone. Once slots
         exist every step writes its rows (-1 for the base model): a decode graph that
         includes LoRA reads them whatever the step holds."""
-        has_lora = any(r.lora is not None for r in requests)
-        if not has_lora and self.lora_slots is None:
+        ids = self._host_np["lora_slots"]
+        if all(r.lora is None for r in requests):
+            if self.lora_slots is not None:
+                ids[:num_tokens] = NO_SLOT
             return None
         slots = self.lora_slots or self._make_lora_slots()
         slot_of = slots.assign([r.lora for r in requests if r.lora is not None])
-        starts, ids = self._host_np["query_start_loc"], self._host_np["lora_slots"]
+        starts = self._host_np["query_start_loc"]
         for row, request in enumerate(requests):
             ids[starts[row]:starts[row + 1]] = NO_SLOT if request.lora is None else slot_of[request.lora.lora_id]
-        if not has_lora:
-            return None
         return LoRABatch(slots, self.buffers.lora_slots[:num_tokens])
 
     def synchronize(self) -> None:

@@ -37,11 +37,12 @@ class StepBuffers:
         return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
 
     def copy_rows_from(self, other: "StepBuffers", num_tokens: int, num_seqs: int, num_logits: int,
-                       num_block_columns: int) -> None:
-        """Asynchronous host->device copy of the live rows (the host side is pinned)."""
+                       num_block_columns: int, num_lora_rows: int = 0) -> None:
+        """Asynchronous host->device copy of the live rows (the host side is pinned);
+        ``lora_slots`` only where written (none while the runner has no LoRA slots)."""
         for name, rows in (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
                            ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs),
-                           ("logits_indices", num_logits), ("lora_slots", num_tokens)):
+                           ("logits_indices", num_logits), ("lora_slots", num_lora_rows)):
             getattr(self, name)[:rows].copy_(getattr(other, name)[:rows], non_blocking=True)
         # Only the columns this step's sequences use; later columns are never read.
         self.block_tables[:num_seqs, :num_block_columns].copy_(
