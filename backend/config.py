@@ -12,7 +12,7 @@ from typing import Any, Literal
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 # KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# CPU float32 linear layers (backend/model/cpu_linear.py resolves "auto").
+# CPU linear layers (backend/model/cpu_linear.py resolves "auto").
 CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 
 
@@ -51,7 +51,8 @@ class EngineConfig:
                                                # this process may run on (os.sched_getaffinity)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only int8 decoder projections (CPU opt-in)
     cpu_linear: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU linear layers: our C kernel
-                                               # (float32), prepacked oneDNN (float32, bfloat16) or plain
+                                               # (float32: AVX2 + FMA; bfloat16: AVX512_BF16),
+                                               # prepacked oneDNN (float32, bfloat16) or plain
                                                # F.linear; auto: by CPU features and dtype, the measured
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear
     cpu_fused_ops: bool = True                 # CPU float32/bfloat16: residual add + RMSNorm and RoPE + KV write

@@ -7,7 +7,7 @@ decoding sequence) through ``native`` (our kernel), ``onednn`` (prepacked) and `
 the machines are shared and their speed drifts.
 
     python -m benchmarks.cpu_linear --rows 1,16,64
-    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # onednn + torch (native is float32)
+    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our AVX512_BF16 kernel where it builds
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
-from backend.model.cpu_linear import NativeLinear, PackedLinear, onednn_packing_available
+from backend.model.cpu_linear import PackedLinear, native_linear, onednn_packing_available
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
 
@@ -45,8 +45,9 @@ def main() -> None:
     torch.manual_seed(0)
     shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
-    makers = {"native": NativeLinear, "onednn": PackedLinear}
-    available = {"native": cpu_native.linear_available() and dtype == torch.float32,
+    makers = {"native": native_linear, "onednn": PackedLinear}
+    native_kernel = {torch.float32: cpu_native.linear_available, torch.bfloat16: cpu_native.linear_bf16_available}
+    available = {"native": native_kernel[dtype](),
                  "onednn": onednn_packing_available(), "torch": True}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):

@@ -64,7 +64,8 @@ def instrument() -> None:
     cpu_native.add_rms_norm = _timed("norms", cpu_native.add_rms_norm)
     llama.RMSNorm.forward = _timed("norms", llama.RMSNorm.forward)
     F.linear = _timed("linear", F.linear)      # nn.Linear and the tied LM head when not packed
-    for cls in (cpu_linear.NativeLinear, cpu_linear.PackedLinear, cpu_linear.Int8Linear):
+    for cls in (cpu_linear.NativeLinear, cpu_linear.NativeBf16Linear, cpu_linear.PackedLinear, cpu_linear.Int8Linear,
+                cpu_linear.Float32Logits):
         cls.forward = _timed("linear", cls.forward)
     Sampler.__call__ = _timed("sampling", Sampler.__call__)
 

@@ -115,6 +115,8 @@ class Summary:
     e2e_p50_ms: float
     cpu_busy_pct: float
     errors: list[str] = field(default_factory=list)    # the first few distinct failure reasons
+    # One row per request, in workload order: where a percentile's time went (written to --json only).
+    requests: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StreamError(Exception):
@@ -299,6 +301,16 @@ def cpu_info() -> dict[str, Any]:
     return {"cpu_model": model, "cpu_cores": os.cpu_count()}
 
 
+def request_rows(workload: Workload, results: list[Result]) -> list[dict[str, Any]]:
+    """Per request: its prompt and output lengths, when it was sent (from the run's first send),
+    TTFT and E2E in ms (None when it failed)."""
+    start = min((r.sent for r in results), default=0.0)
+    return [{"prompt_len": len(req.prompt), "output_len": req.output_len, "sent_ms": round(1e3 * (r.sent - start), 1),
+             "ttft_ms": round(1e3 * ttft(r), 1) if r.ok else None,
+             "e2e_ms": round(1e3 * (r.end - r.sent), 1) if r.ok else None}
+            for req, r in zip(workload.requests, results)]
+
+
 def summarize(server: Server, workload: str, results: list[Result], cpu_busy: float) -> Summary:
     ok = [r for r in results if r.ok]
     wall = max(r.end for r in results) - min(r.sent for r in results) if results else 0.0
@@ -342,7 +354,10 @@ def run_workload(server: Server, workload: Workload, concurrency: int = 16, time
         t.join()
     idle1, total1 = cpu_times()
     busy = 100 * (1 - (idle1 - idle0) / (total1 - total0)) if total1 > total0 else float("nan")
-    return summarize(server, workload.name, [r for r in results if r is not None], busy)
+    summary = summarize(server, workload.name, [r for r in results if r is not None], busy)
+    if all(r is not None for r in results):
+        summary.requests = request_rows(workload, results)   # type: ignore[arg-type]
+    return summary
 
 
 def parse_server(spec: str, model: str) -> Server:

@@ -1,6 +1,6 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
 or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c),
-the bfloat16 LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c)
+the bfloat16 linear layer and LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c)
 and LoRA over a packed batch (kernels/csrc/lora.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
@@ -105,6 +105,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.linear_bf16_supported.argtypes = []
     library.linear_bf16_f32.restype = None
     library.linear_bf16_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, ctypes.c_int]
+    library.linear_bf16.restype = None
+    library.linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
     library.linear_f32.restype = None
     library.linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
     for suffix in LAYER_OPS_SUFFIXES.values():
@@ -139,7 +141,7 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
 
 
 def linear_bf16_available() -> bool:
-    """The bfloat16 x bfloat16 -> float32 kernel builds here (the CPU has AVX512_BF16)."""
+    """The bfloat16 kernels (bfloat16 or float32 out) build here (the CPU has AVX512_BF16)."""
     library = load()
     return library is not None and bool(library.linear_bf16_supported())
 
@@ -153,6 +155,19 @@ def linear_bf16_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int) ->
     if rows:
         load().linear_bf16_f32(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
                                out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` in bfloat16 (float32 sums, rounded once) with ``packed`` =
+    ``backend.model.cpu_linear.pack_pairs(W)``. ``x``: [rows, in_features] bfloat16 CPU, unit
+    column stride, in_features even; ``bias``: float32 [out_features] or None; returns a new
+    contiguous bfloat16 [rows, out_features]."""
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if rows:
+        load().linear_bf16(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 

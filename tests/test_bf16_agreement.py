@@ -36,6 +36,7 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
 def bf16_outputs(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, dtype="bfloat16",
                                  max_num_batched_tokens=256))   # chunked prefill and decodes mixed
+    print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU)")
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     return [o.token_ids for o in outputs]
 

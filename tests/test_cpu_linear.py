@@ -23,8 +23,13 @@ def test_fast_paths_are_available_here() -> None:
     # oneDNN would silently fall back to a slower path.
     assert cpu_native.linear_available()
     assert onednn_packing_available()
-    with pytest.raises(ValueError, match="float32"):
-        resolve_cpu_linear("native", torch.bfloat16)
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        resolve_cpu_linear("native", torch.float16)
+    if cpu_native.linear_bf16_available():
+        assert resolve_cpu_linear("native", torch.bfloat16) == "native"
+    else:
+        with pytest.raises(ValueError, match="AVX512_BF16"):
+            resolve_cpu_linear("native", torch.bfloat16)
     with pytest.raises(ValueError, match="CPU"):
         resolve_cpu_linear("onednn", torch.float32, on_cpu=False)
 
@@ -32,20 +37,32 @@ def test_fast_paths_are_available_here() -> None:
 AVX2 = CpuFeatures.of("avx2", "fma")
 AVX512 = CpuFeatures.of("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX512_BF16 = CpuFeatures.of(*AVX512.flags, "avx512_bf16")
+AMX_BF16 = CpuFeatures.of(*AVX512_BF16.flags, "amx_bf16", "amx_tile")
 
 
+# The rule as the machine it describes would run it: the bfloat16 kernel builds exactly where
+# the CPU has AVX512_BF16 (gcc -march=native), so its availability is faked along with the flags.
 @pytest.mark.parametrize("features, dtype, expected", [
     (AVX2, torch.float32, "native"),
     (AVX512, torch.float32, "onednn"),
     (AVX512_BF16, torch.float32, "onednn"),
     (AVX2, torch.bfloat16, "torch"),          # no bf16 arithmetic: nothing to gain from packing
     (AVX512, torch.bfloat16, "torch"),
-    (AVX512_BF16, torch.bfloat16, "onednn"),
+    (AVX512_BF16, torch.bfloat16, "native"),  # our kernel: 1.4x prepacked oneDNN at 16 rows
+    (AMX_BF16, torch.bfloat16, "onednn"),     # oneDNN's AMX tiles
     (AVX512_BF16, torch.float16, "torch"),
 ])
-def test_auto_rule_by_cpu_features_and_dtype(features: CpuFeatures, dtype: torch.dtype, expected: str) -> None:
+def test_auto_rule_by_cpu_features_and_dtype(features: CpuFeatures, dtype: torch.dtype, expected: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_native, "linear_bf16_available", lambda: "avx512_bf16" in features.flags)
     assert resolve_cpu_linear("auto", dtype, features=features) == expected
     assert resolve_cpu_linear("auto", dtype, on_cpu=False, features=features) == "torch"
+
+
+def test_auto_rule_without_the_bf16_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # AVX512_BF16 flags but no kernel (no gcc, or a compiler that cannot target it): oneDNN.
+    monkeypatch.setattr(cpu_native, "linear_bf16_available", lambda: False)
+    assert resolve_cpu_linear("auto", torch.bfloat16, features=AVX512_BF16) == "onednn"
 
 
 def test_packed_bfloat16_matches_f_linear() -> None:

@@ -1,7 +1,8 @@
-"""The bfloat16 LM head with float32 logits (kernels/csrc/linear_bf16.c through
-``Float32Logits``) against the reference: ``F.linear`` on the widened operands, whose
-products are the same exact values (only the summation order differs). The kernel needs
-AVX512_BF16; on a CPU without it the float32-copy path runs and the test says so."""
+"""The bfloat16 kernels of kernels/csrc/linear_bf16.c against the reference, ``F.linear`` on the
+widened operands, whose products are the same exact values (only the summation order
+differs): the projections (``NativeBf16Linear``, bfloat16 out, rounded once) and the LM head
+with float32 logits (``Float32Logits``). The kernels need AVX512_BF16; on a CPU without it
+the projection tests are reported NOT RUN and the head's float32-copy path runs."""
 
 from __future__ import annotations
 
@@ -9,8 +10,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.model.cpu_linear import Float32Logits, pack_pairs
+from backend.model.cpu_linear import Float32Logits, NativeBf16Linear, PackedLinear, native_linear, pack_pairs
 from kernels import cpu_native
+
+
+@pytest.fixture
+def bf16_kernel() -> None:
+    if not cpu_native.linear_bf16_available():
+        pytest.skip("NOT RUN: the bfloat16 linear kernel needs a CPU with AVX512_BF16 (and gcc to target it)")
+
+
+def within_one_rounding(got: torch.Tensor, exact: torch.Tensor, in_features: int) -> None:
+    """``got`` (bfloat16) is ``exact`` (float32) rounded once: at most one bfloat16 unit away
+    (half a unit for the rounding, the rest for a different float32 summation order)."""
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    unit = exact.abs() * 2.0 ** -7
+    error = (got.float() - exact).abs()
+    assert (error <= unit + 1e-6 * in_features).all(), (error - unit).max()
 
 
 def test_which_path_runs_here() -> None:
@@ -45,18 +61,21 @@ def test_float32_logits_match_reference(rows: int, out_features: int, in_feature
     assert (logits - expected).abs().max() < (expected.bfloat16().float() - expected).abs().max() / 10 + 1e-6
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_float32_logits_on_several_threads(threads: int) -> None:
+@pytest.fixture(params=[1, 3])
+def threads(request):
+    """torch's (and so the kernels') thread count for one test: one, and more than the panels'
+    groups split evenly over."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(threads)
-        weight = torch.randn(300, 64, generator=gen).bfloat16()
-        x = torch.randn(21, 64, generator=gen).bfloat16()
-        torch.testing.assert_close(Float32Logits(weight)(x), F.linear(x.float(), weight.float()), atol=1e-4,
-                                   rtol=1e-5)
-    finally:
-        torch.set_num_threads(previous)
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+def test_float32_logits_on_several_threads(threads: int) -> None:
+    gen = torch.Generator().manual_seed(threads)
+    weight = torch.randn(300, 64, generator=gen).bfloat16()
+    x = torch.randn(21, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(Float32Logits(weight)(x), F.linear(x.float(), weight.float()), atol=1e-4, rtol=1e-5)
 
 
 def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
@@ -68,3 +87,48 @@ def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
     head = Float32Logits(weight)
     assert head.packed_weight is None
     torch.testing.assert_close(head(x), F.linear(x.float(), weight.float()), atol=1e-5, rtol=1e-5)
+
+
+# Row counts cover every tile height (1-8) and more than one row tile; sizes cover one, two and
+# three panels per tile, partial panels (37, 20 outputs) and SmolLM2's shapes.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 130), (20, 8), (16, 2), (48, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_bf16_linear_matches_reference(bf16_kernel, rows: int, out_features: int, in_features: int,
+                                              bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * out_features + in_features + bias)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    layer = NativeBf16Linear(weight, b)
+    storage = torch.full((rows, in_features + 6), float("nan")).bfloat16()   # row stride > in_features
+    storage[:, 3:3 + in_features] = torch.randn(rows, in_features, generator=gen).bfloat16()
+    x = storage[:, 3:3 + in_features]
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    within_one_rounding(layer(x), exact, in_features)
+    # Leading dimensions are kept.
+    assert layer(x.contiguous().view(1, rows, in_features)).shape == (1, rows, out_features)
+
+
+def test_native_bf16_linear_matches_onednn_on_model_shapes(bf16_kernel) -> None:
+    """What the kernel replaces: prepacked oneDNN, also float32 sums rounded once."""
+    gen = torch.Generator().manual_seed(3)
+    for out_features, in_features in [(960, 576), (3072, 576), (576, 1536)]:
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+        x = torch.randn(16, in_features, generator=gen).bfloat16()
+        ours, theirs = NativeBf16Linear(weight, None)(x).float(), PackedLinear(weight, None)(x).float()
+        unit = theirs.abs() * 2.0 ** -7
+        assert ((ours - theirs).abs() <= unit + 1e-5).all()
+
+
+def test_native_bf16_linear_on_several_threads(bf16_kernel, threads: int) -> None:
+    gen = torch.Generator().manual_seed(threads)
+    weight = torch.randn(300, 64, generator=gen).bfloat16()
+    x = torch.randn(21, 64, generator=gen).bfloat16()
+    within_one_rounding(NativeBf16Linear(weight, None)(x), F.linear(x.float(), weight.float()), 64)
+
+
+def test_native_linear_picks_by_dtype_and_input_size(bf16_kernel) -> None:
+    assert isinstance(native_linear(torch.randn(8, 6).bfloat16(), None), NativeBf16Linear)
+    assert isinstance(native_linear(torch.randn(8, 5).bfloat16(), None), PackedLinear)   # odd: not in pairs
+    with pytest.raises(ValueError, match="even"):
+        NativeBf16Linear(torch.randn(8, 5).bfloat16(), None)

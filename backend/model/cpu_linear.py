@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.config import CPU_LINEAR_CHOICES
-from backend.model.cpu_features import CpuFeatures, detect
+from backend.model.cpu_features import CpuFeatures, CpuIsa, detect
 from kernels import cpu_native
 
 PANEL_WIDTH = 16    # output columns per packed panel: NR in kernels/csrc/linear_f32.c
@@ -42,11 +42,13 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     |----------|--------------------------|--------|-------------------------------------------------------|
     | float32  | AVX2 + FMA, no AVX-512   | native | 1.4x oneDNN's (AMD EPYC Zen 2)                         |
     | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
-    | bfloat16 | AVX512_BF16 or AMX-BF16  | onednn | prepacked bf16 dot products: 2.0x float32 ours at 16   |
+    | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.4x prepacked oneDNN at 16 rows      |
+    | bfloat16 | AMX-BF16                 | onednn | oneDNN's AMX tiles (not measured against ours yet)     |
     | other    | any                      | torch  | F.linear                                              |
 
-    An explicit choice that cannot run here is an error at start-up. ``features`` defaults to
-    this machine's (tests pass others)."""
+    ``native`` is our C kernel: float32 (AVX2 + FMA) or bfloat16 (AVX512_BF16). An explicit
+    choice that cannot run here is an error at start-up. ``features`` defaults to this
+    machine's (tests pass others)."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_CHOICES}, got {choice!r}")
     features = features or detect()
@@ -54,8 +56,10 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
         if choice not in ("auto", "torch"):
             raise ValueError(f"cpu_linear={choice} applies to CPU weights")
         return "torch"
-    if choice == "native" and (dtype != torch.float32 or not cpu_native.linear_available()):
-        raise ValueError("cpu_linear=native needs float32 weights, gcc and a CPU with AVX2 and FMA")
+    native = {torch.float32: cpu_native.linear_available, torch.bfloat16: cpu_native.linear_bf16_available}
+    if choice == "native" and (dtype not in native or not native[dtype]()):
+        raise ValueError("cpu_linear=native needs gcc and float32 weights on a CPU with AVX2 and FMA, "
+                         "or bfloat16 weights on a CPU with AVX512_BF16")
     if choice == "onednn" and (dtype not in (torch.float32, torch.bfloat16) or not onednn_packing_available()):
         raise ValueError("cpu_linear=onednn needs float32 or bfloat16 weights and a torch build with oneDNN")
     if choice != "auto":
@@ -66,8 +70,11 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
         if cpu_native.linear_available():
             return "native"
         return "onednn" if onednn_packing_available() else "torch"
-    if dtype == torch.bfloat16 and features.native_bf16 and onednn_packing_available():
-        return "onednn"
+    if dtype == torch.bfloat16 and features.native_bf16:
+        if features.isa == CpuIsa.AVX512_BF16 and cpu_native.linear_bf16_available():
+            return "native"
+        if onednn_packing_available():
+            return "onednn"
     return "torch"
 
 
@@ -111,6 +118,39 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(num_panels * PANEL_WIDTH, in_features, dtype=torch.bfloat16)
     padded[:out_features] = weight.detach()
     return padded.view(num_panels, PANEL_WIDTH, in_features // 2, 2).transpose(1, 2).contiguous()
+
+
+class NativeBf16Linear(nn.Module):
+    """``y = x @ W.T + b`` in bfloat16 through our AVX512_BF16 kernel, ``W`` packed in pairs
+    (float32 sums over the whole row, rounded once, as oneDNN's bfloat16 matmul does)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
+            raise ValueError(f"NativeBf16Linear is bfloat16 on CPU with an even input size, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = pack_pairs(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        if x.dim() != 2 or x.stride(-1) != 1:
+            x = x.reshape(-1, self.in_features).contiguous()
+        y = cpu_native.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
+        return y.view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """Our C kernel for the weight's dtype (``cpu_linear=native``). The bfloat16 kernel reads
+    inputs in pairs: a projection with an odd input size (none in the models we load) goes
+    to prepacked oneDNN instead."""
+    if weight.dtype != torch.bfloat16:
+        return NativeLinear(weight, bias)
+    return NativeBf16Linear(weight, bias) if weight.shape[1] % 2 == 0 else PackedLinear(weight, bias)
 
 
 class Float32Logits(nn.Module):

@@ -19,7 +19,7 @@ from kernels import cpu_native
 from backend.lora.batch import add_lora, lora_batch
 from backend.lora.slots import LoRABatch
 from backend.model.architecture import ModelArchitecture
-from backend.model.cpu_linear import Float32Logits, NativeLinear, PackedLinear, replace_linears
+from backend.model.cpu_linear import Float32Logits, PackedLinear, native_linear, replace_linears
 
 
 def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
@@ -248,7 +248,7 @@ class CausalLM(nn.Module):
         """Repack every projection and the LM head for a CPU kernel (backend/model/cpu_linear.py):
         ``native`` (ours) or ``onednn``. A tied head keeps the embedding table for lookups
         and gets a packed copy for logits."""
-        make = {"native": NativeLinear, "onednn": PackedLinear}[kind]
+        make = {"native": native_linear, "onednn": PackedLinear}[kind]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A bfloat16 head still gives float32 logits (Float32Logits says why).
         self.packed_lm_head = Float32Logits(weight) if weight.dtype == torch.bfloat16 else make(weight, None)

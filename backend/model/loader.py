@@ -58,7 +58,7 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         # The decoder's projections only: the LM head stays in the model dtype (its rounding
         # would move every logit), and is packed below.
         replace_linears(model.model.layers, Int8Linear)
-    # float32 (native, onednn) or bfloat16 (onednn) weights, as resolve_cpu_linear chose.
+    # float32 or bfloat16 weights (native, onednn), as resolve_cpu_linear chose.
     if cpu_linear in ("native", "onednn"):
         model.pack_for_cpu(cpu_linear)
     model.use_fused_cpu_ops(cpu_fused_ops)

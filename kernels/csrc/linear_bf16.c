@@ -1,81 +1,124 @@
-/* y = x @ W.T in float32 from bfloat16 x and W, for CPU: the LM head of a bfloat16 engine.
+/* y = x @ W.T (+ bias) from bfloat16 x and W, for CPU: every projection of a bfloat16 model
+ * (bfloat16 out, linear_bf16) and its LM head (float32 out, linear_bf16_f32).
  *
- * Why: logits rounded to bfloat16 (8 significant bits: steps of 0.125 at 20) tie and reorder
- * the top tokens; transformers' float32 greedy choice was kept for 7 of 12 test prompts with
- * bfloat16 logits and 11 of 12 with float32 ones (docs/benchmarks.md, "bfloat16 agreement").
- * Each product of two bfloat16 values is exact in float32, so this computes what a float32
- * matmul of the widened operands would, without widening the 56 MB weight to 113 MB.
+ * Why our own: at the row counts a decode step runs (1-64), oneDNN's prepacked bfloat16 matmul
+ * reached ~20 GB/s of weights (10.2 ms for SmolLM2's 121 matmuls at 16 rows on a 2-core
+ * AVX-512 BF16 EPYC) where the machine reads ~50; this kernel streams the weights with a
+ * prefetch ahead of the dot products and does them in ~7 ms (docs/benchmarks.md, "CPU linear
+ * layers by ISA and dtype").
  *
- * Layout: W [n, k] is packed once (backend/model/cpu_linear.py) into panels of NR = 16 output
- * columns holding k in pairs, [ceil(n / 16)][ceil(k / 2)][16][2], zero-padded: the operand
- * layout of AVX512_BF16's dot product, which multiplies a pair of bfloat16 per 32-bit lane
- * and adds both products to a float32 accumulator. A tile of MR rows x 16 columns keeps one
- * accumulator register per row over the whole k loop; panels are shared out to OpenMP
- * threads (torch's pool). x is read in pairs too, so k must be even (the caller checks;
- * every hidden size in use is).
+ * Why a float32-out head: logits rounded to bfloat16 (8 significant bits: steps of 0.125 at 20)
+ * tie and reorder the top tokens; transformers' float32 greedy choice was kept for 7 of 12 test
+ * prompts with bfloat16 logits and 11 of 12 with float32 ones (docs/benchmarks.md, "bfloat16
+ * agreement"). Each product of two bfloat16 values is exact in float32, so this computes what a
+ * float32 matmul of the widened operands would, without widening the 56 MB weight.
  *
- * Against oneDNN's bfloat16-out matmul of the same weights (2-core AVX-512 BF16 EPYC): 0.80 vs
- * 0.93 ms at 1 row, 2.5 vs 1.6 ms at 16, 6.6 vs 4.4 at 64 (16-row tiles measured no faster);
- * the ~0.9 ms a 16-sequence step pays buys float32 logits.
+ * Layout: W [n, k] is packed once (backend/model/cpu_linear.pack_pairs) into panels of NR = 16
+ * output columns holding k in pairs, [ceil(n / 16)][ceil(k / 2)][16][2], zero-padded: the operand
+ * layout of AVX512_BF16's dot product, which multiplies a pair of bfloat16 per 32-bit lane and
+ * adds both products to a float32 accumulator. A tile is MR rows x NP panels (8 x 48 columns):
+ * 24 accumulators, and per pair of k 3 weight loads and 8 broadcasts for 24 dot products, so
+ * the loads keep up with the arithmetic. Groups of NP panels are shared out to OpenMP threads
+ * (torch's pool) in contiguous ranges, so each thread streams one stretch of the packed weight;
+ * the first row tile of a group prefetches PREFETCH_LINES cache lines ahead in each panel
+ * (measured: 16 rows 8.6 -> 7.1 ms for the model's projections; the hardware prefetcher alone
+ * does not keep three streams per core ahead). Later row tiles read the group from cache.
+ * Accumulation is float32 over the whole k loop; a bfloat16 output is rounded once, to nearest
+ * even. x is read in pairs, so k must be even (the caller checks; every hidden size in use is).
  *
  * Built where the compiler targets AVX512_BF16 (-march=native on such a CPU); elsewhere
- * linear_bf16_supported() returns 0 and the engine keeps a float32 copy of the head.
+ * linear_bf16_supported() returns 0 and the engine uses oneDNN or F.linear.
  */
 #include <stdint.h>
 #include <string.h>
 
-#define NR 16
-#define MR 8
+#define NR 16               /* output columns per packed panel (one 512-bit register of float32) */
+#define MR 8                /* rows per tile */
+#define NP 3                /* panels per tile */
+#define PREFETCH_LINES 16   /* how far ahead the first row tile prefetches, per panel */
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
 int linear_bf16_supported(void) { return 1; }
 
-static inline __attribute__((always_inline)) void tile(const int mr, int64_t pairs, const uint16_t *restrict x,
-                                                       int64_t ldx, const uint16_t *restrict panel,
-                                                       float *restrict y, int64_t ldy, int64_t ncols) {
-    __m512 acc[MR];
-    _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) acc[r] = _mm512_setzero_ps();
+/* Rows [0, mr) of x times np panels from `panel` (panel_stride elements apart) into columns
+ * [0, ncols) of y: float32 (yf) or bfloat16 (yb), row stride ldy; bias: float32 or NULL. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int np, const int64_t pairs,
+                                                       const uint16_t *restrict x, const int64_t ldx,
+                                                       const uint16_t *restrict panel, const int64_t panel_stride,
+                                                       const float *restrict bias, float *restrict yf,
+                                                       uint16_t *restrict yb, const int64_t ldy, const int64_t ncols,
+                                                       const int prefetch) {
+    __m512 acc[MR][NP];
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r)
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < pairs; ++kk) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * NR);
+        __m512bh w[NP];
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+            const uint16_t *at = panel + p * panel_stride + kk * 2 * NR;
+            w[p] = (__m512bh)_mm512_loadu_si512(at);
+            if (prefetch) _mm_prefetch((const char *)(at + PREFETCH_LINES * 2 * NR), _MM_HINT_T0);
+        }
         _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
             int32_t pair;
             memcpy(&pair, x + r * ldx + 2 * kk, sizeof pair);
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xb, w[p]);
         }
     }
-    if (ncols == NR) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-        const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
-        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+    _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+        const int64_t left = ncols - p * NR;
+        const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + p * NR) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 out = _mm512_add_ps(acc[r][p], b);
+            if (yb) _mm256_mask_storeu_epi16(yb + r * ldy + p * NR, keep, (__m256i)_mm512_cvtneps_pbh(out));
+            else _mm512_mask_storeu_ps(yf + r * ldy + p * NR, keep, out);
+        }
+    }
+}
+
+/* One tile with mr and np as compile-time constants (the switch lets the compiler unroll). */
+static void tile_any(const int mr, const int np, const int64_t pairs, const uint16_t *x, const int64_t ldx,
+                     const uint16_t *panel, const int64_t panel_stride, const float *bias, float *yf, uint16_t *yb,
+                     const int64_t ldy, const int64_t ncols, const int prefetch) {
+#define TILE(R, P) tile(R, P, pairs, x, ldx, panel, panel_stride, bias, yf, yb, ldy, ncols, prefetch)
+#define ROWS(P) switch (mr) { case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
+                              case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
+                              case 2: TILE(2, P); break; default: TILE(1, P); break; }
+    if (np == 3) { ROWS(3) } else if (np == 2) { ROWS(2) } else { ROWS(1) }
+#undef ROWS
+#undef TILE
+}
+
+static void linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                   const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR, pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
+    const int64_t groups = (panels + NP - 1) / NP;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t p0 = g * NP, column = p0 * NR;
+        const int np = panels - p0 < NP ? (int)(panels - p0) : NP;
+        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+            const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+            const int64_t at = r0 * n + column;
+            tile_any(mr, np, pairs, x + r0 * ldx, ldx, packed + p0 * panel_stride, panel_stride,
+                     bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column, r0 == 0);
+        }
     }
 }
 
 /* x: [m, k] bfloat16, row stride ldx, k even; packed as above; y: [m, n] float32 contiguous. */
 void linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                      float *y, int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR, pairs = (k + 1) / 2;
-#pragma omp parallel for schedule(guided) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; ++p) {
-        const uint16_t *panel = packed + p * pairs * 2 * NR;
-        const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
-        for (int64_t r0 = 0; r0 < m; r0 += MR) {
-            const uint16_t *xr = x + r0 * ldx;
-            float *yr = y + r0 * n + p * NR;
-            switch (m - r0 < MR ? m - r0 : MR) {
-                case 8: tile(8, pairs, xr, ldx, panel, yr, n, ncols); break;
-                case 7: tile(7, pairs, xr, ldx, panel, yr, n, ncols); break;
-                case 6: tile(6, pairs, xr, ldx, panel, yr, n, ncols); break;
-                case 5: tile(5, pairs, xr, ldx, panel, yr, n, ncols); break;
-                case 4: tile(4, pairs, xr, ldx, panel, yr, n, ncols); break;
-                case 3: tile(3, pairs, xr, ldx, panel, yr, n, ncols); break;
-                case 2: tile(2, pairs, xr, ldx, panel, yr, n, ncols); break;
-                default: tile(1, pairs, xr, ldx, panel, yr, n, ncols); break;
-            }
-        }
-    }
+    linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads);
+}
+
+/* The same with a bfloat16 y [m, n] contiguous, rounded once; bias: float32 [n] or NULL. */
+void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                 const float *bias, uint16_t *y, int num_threads) {
+    linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
 }
 
 #else
@@ -85,6 +128,11 @@ int linear_bf16_supported(void) { return 0; }
 void linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                      float *y, int num_threads) {
     (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)y, (void)num_threads;
+}
+
+void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                 const float *bias, uint16_t *y, int num_threads) {
+    (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)bias, (void)y, (void)num_threads;
 }
 
 #endif
