@@ -89,9 +89,10 @@ def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
     torch.testing.assert_close(head(x), F.linear(x.float(), weight.float()), atol=1e-5, rtol=1e-5)
 
 
-# Row counts cover every tile height (1-8) and more than one row tile; sizes cover one, two and
-# three panels per tile, partial panels (37, 20 outputs) and SmolLM2's shapes.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64])
+# Row counts cover both tilings (up to 16 rows one tile of all rows x 1 panel, beyond them tiles
+# of 8 rows x 3 panels with every shorter last tile); sizes cover one, two and three panels per
+# tile, partial panels (37, 20 outputs) and SmolLM2's shapes.
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 64])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 130), (20, 8), (16, 2), (48, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_bf16_linear_matches_reference(bf16_kernel, rows: int, out_features: int, in_features: int,
