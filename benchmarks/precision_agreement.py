@@ -22,6 +22,9 @@ from tests.conftest import MODEL_DIR, _PROSE, hf_greedy
 from tests.test_hf_equality import MAX_NEW_TOKENS, PROMPT_LENGTHS
 
 SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+            # bfloat16 through each CPU linear path (auto picks one by the CPU: docs/benchmarks.md)
+            "bfloat16-native": {"dtype": "bfloat16", "cpu_linear": "native"},
+            "bfloat16-onednn": {"dtype": "bfloat16", "cpu_linear": "onednn"},
             "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
