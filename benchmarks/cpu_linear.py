@@ -20,9 +20,8 @@ import torch.nn.functional as F
 
 from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
-from backend.model.cpu_linear import PackedLinear, native_linear, onednn_packing_available
+from backend.model.cpu_linear import PackedLinear, native_kernel_available, native_linear, onednn_packing_available
 from benchmarks.step_cost import cpu_name
-from kernels import cpu_native
 
 
 def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
@@ -46,8 +45,7 @@ def main() -> None:
     shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
     makers = {"native": native_linear, "onednn": PackedLinear}
-    native_kernel = {torch.float32: cpu_native.linear_available, torch.bfloat16: cpu_native.linear_bf16_available}
-    available = {"native": native_kernel[dtype](),
+    available = {"native": native_kernel_available(dtype),
                  "onednn": onednn_packing_available(), "torch": True}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):

@@ -33,6 +33,14 @@ def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def native_kernel_available(dtype: torch.dtype) -> bool:
+    """Our C matmul for this dtype builds and runs here: float32 with AVX2 + FMA, bfloat16 with
+    AVX512_BF16."""
+    if dtype == torch.float32:
+        return cpu_native.linear_available()
+    return dtype == torch.bfloat16 and cpu_native.linear_bf16_available()
+
+
 def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
                        features: CpuFeatures | None = None) -> str:
     """The linear-layer path for these weights on this CPU. ``auto`` follows the measured rule
@@ -42,7 +50,7 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     |----------|--------------------------|--------|-------------------------------------------------------|
     | float32  | AVX2 + FMA, no AVX-512   | native | 1.4x oneDNN's (AMD EPYC Zen 2)                         |
     | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
-    | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.4x prepacked oneDNN at 16 rows      |
+    | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.34x prepacked oneDNN at 16 rows     |
     | bfloat16 | AMX-BF16                 | onednn | oneDNN's AMX tiles (not measured against ours yet)     |
     | other    | any                      | torch  | F.linear                                              |
 
@@ -56,8 +64,7 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
         if choice not in ("auto", "torch"):
             raise ValueError(f"cpu_linear={choice} applies to CPU weights")
         return "torch"
-    native = {torch.float32: cpu_native.linear_available, torch.bfloat16: cpu_native.linear_bf16_available}
-    if choice == "native" and (dtype not in native or not native[dtype]()):
+    if choice == "native" and not native_kernel_available(dtype):
         raise ValueError("cpu_linear=native needs gcc and float32 weights on a CPU with AVX2 and FMA, "
                          "or bfloat16 weights on a CPU with AVX512_BF16")
     if choice == "onednn" and (dtype not in (torch.float32, torch.bfloat16) or not onednn_packing_available()):
@@ -67,11 +74,11 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     if dtype == torch.float32:
         if features.avx512 and onednn_packing_available():
             return "onednn"
-        if cpu_native.linear_available():
+        if native_kernel_available(dtype):
             return "native"
         return "onednn" if onednn_packing_available() else "torch"
     if dtype == torch.bfloat16 and features.native_bf16:
-        if features.isa == CpuIsa.AVX512_BF16 and cpu_native.linear_bf16_available():
+        if features.isa == CpuIsa.AVX512_BF16 and native_kernel_available(dtype):
             return "native"
         if onednn_packing_available():
             return "onednn"
@@ -88,26 +95,42 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
 
 
-class NativeLinear(nn.Module):
-    """``y = x @ W.T + b`` through our C kernel, ``W`` packed in 16-column panels."""
+class _NativeKernelLinear(nn.Module):
+    """``y = x @ W.T + b`` through one of our C kernels: the weight packed once (``pack``), each
+    call on 2-D rows with unit column stride (``matmul``). Subclasses say which kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"NativeLinear is float32 on CPU, got {weight.dtype} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = pack_panels(weight)
+        self.packed_weight = self.pack(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         if x.dim() != 2 or x.stride(-1) != 1:
             x = x.reshape(-1, self.in_features).contiguous()
-        y = cpu_native.linear_f32(x, self.packed_weight, self.out_features, self.bias)
-        return y.view(*leading, self.out_features)
+        return self.matmul(x).view(*leading, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class NativeLinear(_NativeKernelLinear):
+    """float32 through kernels/csrc/linear_f32.c, ``W`` packed in 16-column panels."""
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"NativeLinear is float32 on CPU, got {weight.dtype} on {weight.device}")
+        return pack_panels(weight)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_native.linear_f32(x, self.packed_weight, self.out_features, self.bias)
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
@@ -120,28 +143,18 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL_WIDTH, in_features // 2, 2).transpose(1, 2).contiguous()
 
 
-class NativeBf16Linear(nn.Module):
-    """``y = x @ W.T + b`` in bfloat16 through our AVX512_BF16 kernel, ``W`` packed in pairs
-    (float32 sums over the whole row, rounded once, as oneDNN's bfloat16 matmul does)."""
+class NativeBf16Linear(_NativeKernelLinear):
+    """bfloat16 through our AVX512_BF16 kernel (kernels/csrc/linear_bf16.c), ``W`` packed in
+    pairs (float32 sums over the whole row, rounded once, as oneDNN's bfloat16 matmul does)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
             raise ValueError(f"NativeBf16Linear is bfloat16 on CPU with an even input size, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
-        self.out_features, self.in_features = weight.shape
-        self.packed_weight = pack_pairs(weight)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        return pack_pairs(weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        if x.dim() != 2 or x.stride(-1) != 1:
-            x = x.reshape(-1, self.in_features).contiguous()
-        y = cpu_native.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
-        return y.view(*leading, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_native.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
 
 
 def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
                                                        const float *restrict bias, float *restrict yf,
                                                        uint16_t *restrict yb, const int64_t ldy, const int64_t ncols,
                                                        const int prefetch) {
-    __m512 acc[ONE_TILE_ROWS][NP];
+    __m512 acc[ONE_TILE_ROWS][NP];   /* at most 16 x 1 or 8 x 3 of them are used (tile_any) */
     _Pragma("GCC unroll 16") for (int r = 0; r < mr; ++r)
         _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < pairs; ++kk) {
@@ -84,18 +84,28 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
     }
 }
 
-/* One tile with mr and np as compile-time constants (the switch lets the compiler unroll). */
+/* One tile with mr and np as compile-time constants (the switch lets the compiler unroll). Only
+ * one-panel tiles hold more than MR rows (the one-tile path up to ONE_TILE_ROWS); tiles of 2-3
+ * panels have at most MR, so only those shapes are instantiated. */
 static void tile_any(const int mr, const int np, const int64_t pairs, const uint16_t *x, const int64_t ldx,
                      const uint16_t *panel, const int64_t panel_stride, const float *bias, float *yf, uint16_t *yb,
                      const int64_t ldy, const int64_t ncols, const int prefetch) {
 #define TILE(R, P) tile(R, P, pairs, x, ldx, panel, panel_stride, bias, yf, yb, ldy, ncols, prefetch)
-#define ROWS(P) switch (mr) { case 16: TILE(16, P); break; case 15: TILE(15, P); break; case 14: TILE(14, P); break; \
-                              case 13: TILE(13, P); break; case 12: TILE(12, P); break; case 11: TILE(11, P); break; \
-                              case 10: TILE(10, P); break; case 9: TILE(9, P); break; case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
-                              case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
-                              case 2: TILE(2, P); break; default: TILE(1, P); break; }
-    if (np == 3) { ROWS(3) } else if (np == 2) { ROWS(2) } else { ROWS(1) }
-#undef ROWS
+#define ROWS_9_TO_16(P) case 16: TILE(16, P); break; case 15: TILE(15, P); break; case 14: TILE(14, P); break; \
+                        case 13: TILE(13, P); break; case 12: TILE(12, P); break; case 11: TILE(11, P); break; \
+                        case 10: TILE(10, P); break; case 9: TILE(9, P); break;
+#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
+                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
+                       case 2: TILE(2, P); break; default: TILE(1, P); break;
+    if (np == 3) {
+        switch (mr) { ROWS_1_TO_8(3) }
+    } else if (np == 2) {
+        switch (mr) { ROWS_1_TO_8(2) }
+    } else {
+        switch (mr) { ROWS_9_TO_16(1) ROWS_1_TO_8(1) }
+    }
+#undef ROWS_1_TO_8
+#undef ROWS_9_TO_16
 #undef TILE
 }
 
