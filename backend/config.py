@@ -32,7 +32,8 @@ class EngineConfig:
                                                # under this (backend/core/step_cost.py); 0 = fixed token budget
     min_prefill_chunk_tokens: int = 32         # an unfinished prefill advances at least this much per step
     long_prefill_token_threshold: int = 0      # prompts longer than this are "long" (after shorter ones in a
-                                               # step); 0 = max_num_batched_tokens
+                                               # step); 0 = what one step can prefill: the token budget, or
+                                               # under the ITL target what fits beside the step's decodes
     max_num_partial_prefills: int = 4          # requests mid-prefill at a time (continuous batching)
     max_long_partial_prefills: int = 1         # ... of which long ones
     # LoRA adapters (multi_lora.json in the model folder) whose requests may run at once; a
@@ -77,7 +78,8 @@ class EngineConfig:
 
     @property
     def long_prefill_threshold(self) -> int:
-        """Prompt tokens (still to compute) above which a prefill counts as long."""
+        """Prompt tokens (still to compute) above which a prefill counts as long, without an ITL
+        target (with one and no threshold set, the scheduler sizes it per step)."""
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
     @classmethod

@@ -111,6 +111,29 @@ def test_short_prompt_passes_a_long_one_in_the_step() -> None:
     assert out.num_scheduled_tokens == {short.request_id: 20, long.request_id: 44}
 
 
+def test_by_default_long_means_more_than_the_step_can_prefill() -> None:
+    # Beside 4 decodes, the 100 ms target leaves room for 86 prompt tokens (10 ms + 1 ms per
+    # token): a 300-token prompt is long there, a 40-token one is not and goes first, although
+    # it arrived later. Without the decodes, the room is the 512-token budget: arrival order.
+    s = scheduler(clock())
+    decodes = decoding(s, 4)
+    long, short = make_request(300), make_request(40)
+    s.add_request(long)
+    s.add_request(short)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {**{d.request_id: 1 for d in decodes}, short.request_id: 40,
+                                        long.request_id: 46}
+    assert list(out.num_scheduled_tokens)[4:] == [short.request_id, long.request_id]
+    assert out.predicted_seconds == pytest.approx(0.100)
+
+    alone = scheduler(clock())
+    long, short = make_request(300), make_request(40)
+    alone.add_request(long)
+    alone.add_request(short)
+    out = alone.schedule()
+    assert list(out.num_scheduled_tokens.items()) == [(long.request_id, 300), (short.request_id, 40)]
+
+
 def test_partial_prefill_limits() -> None:
     s = scheduler(clock(), itl_target_ms=0.0, max_num_batched_tokens=64, long_prefill_token_threshold=32,
                   max_num_partial_prefills=2, max_long_partial_prefills=1)
@@ -185,7 +208,8 @@ def test_a_prefill_preempted_for_an_earlier_one_in_the_step_is_skipped() -> None
     # = 2 blocks) a step. When blocks run out, the high-priority one's chunk preempts the
     # low-priority one, which comes later in the step's order: it must be skipped, not given
     # blocks while it waits.
-    s = scheduler(clock(step_ms=150), scheduling_policy="priority", num_blocks=13)
+    # (Both count as short: over the target, a step has no room and every prompt would be long.)
+    s = scheduler(clock(step_ms=150), scheduling_policy="priority", num_blocks=13, long_prefill_token_threshold=64)
     [stream] = decoding(s, 1)
     low = make_request(40, priority=10)
     s.add_request(low)

@@ -6,7 +6,8 @@ Each step, under a token budget (``max_num_batched_tokens``) and a sequence cap
 1. every running decode gets its token;
 2. prefill chunks (unfinished ones, then admissions from the waiting queue) share what is
    left, ordered by (priority, long?, arrival): a prompt longer than
-   ``long_prefill_token_threshold`` goes after the shorter ones of its priority, and at most
+   ``long_prefill_token_threshold`` (by default, longer than one step can prefill) goes after
+   the shorter ones of its priority, and at most
    ``max_num_partial_prefills`` requests are mid-prefill at a time, at most
    ``max_long_partial_prefills`` of them long (vLLM's names and meanings), so short prompts
    pass a long one instead of waiting for its whole prefill;
@@ -215,7 +216,7 @@ class Scheduler:
         admission of a step that has no prefill yet: nothing starves."""
         config = self.config
         limited = config.batching == "continuous"
-        threshold = config.long_prefill_threshold
+        threshold = self._long_prefill_threshold(out, target)
         candidates: list[tuple[tuple[int, bool, int], Request, bool]] = []   # (order, request, waiting?)
         num_long = 0
         for request in partial_prefills:
@@ -312,17 +313,40 @@ class Scheduler:
         priority, arrival = self.waiting.key(request)
         return (priority, long, arrival)
 
+    def _long_prefill_threshold(self, out: SchedulerOutput, target: float | None) -> int:
+        """Prompt tokens (still to compute) above which a prefill counts as long in this step:
+        ``long_prefill_token_threshold`` when set, else what one step can prefill, so that the
+        prompts a step can finish go before those it cannot (shortest first, in two classes).
+        That is the token budget, or under the ITL target the most tokens a new prompt may
+        compute beside this step's decodes (``out``) without passing the target: on a CPU
+        where a decode step takes a quarter of the target, ~100 tokens, far fewer than the
+        budget, so a 512-token prompt no longer holds back the 64-token ones behind it."""
+        config = self.config
+        if config.long_prefill_token_threshold or target is None:
+            return config.long_prefill_threshold
+        room = config.max_num_batched_tokens - out.total_num_tokens
+        fitting = self._largest_fitting(room, target, lambda n: add(out.features, row_features(n, 0, True)))
+        return max(fitting, config.min_prefill_chunk_tokens)
+
     def _fit_chunk(self, request: Request, num_computed: int, max_new: int, features: Features,
                    target: float | None) -> int:
         """The most tokens (<= ``max_new``) this request can compute in a step that already has
         ``features`` without its predicted time passing ``target``; 0 when none fits."""
         if target is None:
             return max_new
+        return self._largest_fitting(max_new, target,
+                                     lambda num_new: add(features, self._row(request, num_new, num_computed)))
+
+    def _largest_fitting(self, max_new: int, target: float, step_with: Callable[[int], Features]) -> int:
+        """The largest ``n`` <= ``max_new`` whose step (``step_with(n)``: its features) is predicted
+        within ``target``; 0 when none is."""
         assert self.cost_model is not None
 
         def fits(num_new: int) -> bool:
-            return self.cost_model.predict(add(features, self._row(request, num_new, num_computed))) <= target
+            return self.cost_model.predict(step_with(num_new)) <= target
 
+        if max_new <= 0:
+            return 0
         if fits(max_new):
             return max_new
         low, high = 0, max_new          # fits(low) is assumed (0: nothing added), fits(high) is false
