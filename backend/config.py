@@ -76,12 +76,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    @property
-    def long_prefill_threshold(self) -> int:
-        """Prompt tokens (still to compute) above which a prefill counts as long, without an ITL
-        target (with one and no threshold set, the scheduler sizes it per step)."""
-        return self.long_prefill_token_threshold or self.max_num_batched_tokens
-
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from string-or-typed values (e.g. Triton model parameters)."""

@@ -214,6 +214,8 @@ class Scheduler:
         ``target`` (seconds) each chunk is the largest whose step still fits it; an unfinished
         prefill always advances by at least ``min_prefill_chunk_tokens``, and so does the first
         admission of a step that has no prefill yet: nothing starves."""
+        if not partial_prefills and not (admit and len(self.waiting)):
+            return                   # no prefill to place (most decode steps): skip the threshold's search
         config = self.config
         limited = config.batching == "continuous"
         threshold = self._long_prefill_threshold(out, target)
@@ -322,8 +324,10 @@ class Scheduler:
         where a decode step takes a quarter of the target, ~100 tokens, far fewer than the
         budget, so a 512-token prompt no longer holds back the 64-token ones behind it."""
         config = self.config
-        if config.long_prefill_token_threshold or target is None:
-            return config.long_prefill_threshold
+        if config.long_prefill_token_threshold:
+            return config.long_prefill_token_threshold
+        if target is None:
+            return config.max_num_batched_tokens
         room = config.max_num_batched_tokens - out.total_num_tokens
         fitting = self._largest_fitting(room, target, lambda n: add(out.features, row_features(n, 0, True)))
         return max(fitting, config.min_prefill_chunk_tokens)
