@@ -132,11 +132,17 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     """``x @ W.T + bias`` with ``packed`` = ``backend.model.cpu_linear.pack_panels(W)``. ``x``: [rows,
     in_features] float32 CPU with unit column stride (any row stride); returns a new
     contiguous [rows, out_features] tensor. The caller checks dtypes once, at load time."""
+    return _packed_linear("linear_f32", torch.float32, x, packed, out_features, bias)
+
+
+def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """One call of a projection kernel (``linear_f32`` or ``linear_bf16``: the same arguments)."""
     rows, in_features = x.shape
-    out = torch.empty(rows, out_features)
+    out = torch.empty(rows, out_features, dtype=out_dtype)
     if rows:
-        load().linear_f32(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
-                          None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        getattr(load(), kernel)(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -163,12 +169,7 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: 
     ``backend.model.cpu_linear.pack_pairs(W)``. ``x``: [rows, in_features] bfloat16 CPU, unit
     column stride, in_features even; ``bias``: float32 [out_features] or None; returns a new
     contiguous bfloat16 [rows, out_features]."""
-    rows, in_features = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    if rows:
-        load().linear_bf16(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
-                           None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
+    return _packed_linear("linear_bf16", torch.bfloat16, x, packed, out_features, bias)
 
 
 # The decode attention kernel per dtype of query, output and caches (all the same dtype).
