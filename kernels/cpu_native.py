@@ -97,8 +97,9 @@ def open_library(path: Path) -> ctypes.CDLL:
         function.restype = ctypes.c_int
         function.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
                              ctypes.c_int]
-    library.decode_attention_bf16_vector_width.restype = ctypes.c_int
-    library.decode_attention_bf16_vector_width.argtypes = []
+    for name in ("decode_attention_bf16_vector_width", "decode_attention_bf16_dot_product"):
+        getattr(library, name).restype = ctypes.c_int
+        getattr(library, name).argtypes = []
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
     library.linear_bf16_supported.restype = ctypes.c_int

@@ -266,12 +266,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-# version -> (flags the library is built with, floats per vector it must report, CPU flags needed).
-# Every build starts from -march=native and switches off what the version must not use.
+# version -> (flags the library is built with, floats per vector it must report, whether its
+# bfloat16 decode takes the AVX512_BF16 dot-product path, CPU flags needed). Every build starts
+# from -march=native and switches off what the version must not use.
 KERNEL_VERSIONS = {
-    "avx512f": ((), 16, {"avx512f"}),
-    "avx2": (("-mno-avx512f",), 8, {"avx2", "fma"}),
-    "plain-c": (("-mno-avx2",), 1, set()),
+    "avx512-bf16": ((), 16, True, {"avx512f", "avx512_bf16"}),
+    "avx512f": (("-mno-avx512bf16",), 16, False, {"avx512f"}),
+    "avx2": (("-mno-avx512f",), 8, False, {"avx2", "fma"}),
+    "plain-c": (("-mno-avx2",), 1, False, set()),
 }
 
 
@@ -279,7 +281,7 @@ KERNEL_VERSIONS = {
 def kernel_version(request):
     """(name, library) for one version of the C kernels, built for it; skipped, naming the
     missing CPU features, only when this CPU cannot run that version."""
-    extra_flags, width, needed = KERNEL_VERSIONS[request.param]
+    extra_flags, width, dot_product, needed = KERNEL_VERSIONS[request.param]
     if platform.machine() not in ("x86_64", "AMD64"):
         # Elsewhere the engine's own build has no vector version: it is the plain C one.
         if request.param != "plain-c":
@@ -293,6 +295,8 @@ def kernel_version(request):
     library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra_flags))
     assert library.decode_attention_bf16_vector_width() == width, (
         f"the {request.param} build compiled the {library.decode_attention_bf16_vector_width()}-wide version")
+    assert library.decode_attention_bf16_dot_product() == dot_product, (
+        f"the {request.param} build {'lacks' if dot_product else 'has'} the AVX512_BF16 dot-product path")
     return request.param, library
 
 
@@ -307,6 +311,7 @@ def test_the_engine_build_uses_the_widest_version_the_cpu_has() -> None:
     flags = cpu_flags()
     expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 1
     assert library.decode_attention_bf16_vector_width() == expected
+    assert library.decode_attention_bf16_dot_product() == ({"avx512f", "avx512_bf16"} <= flags)
 
 
 def direct_decode(batch: PagedBatch, library, scale: float) -> torch.Tensor:
@@ -319,8 +324,9 @@ def direct_decode(batch: PagedBatch, library, scale: float) -> torch.Tensor:
 
 
 # SHAPES plus head sizes that are not a multiple of the vector width (a vector loop and a
-# scalar tail: 40 = 2 x 16 + 8, 72 = 4 x 16 + 8, 12 < 16), block sizes 8 and 1.
-ODD_SHAPES = [(6, 2, 40, 16), (4, 1, 72, 8), (3, 3, 12, 16), (4, 2, 64, 1)]
+# scalar tail: 40 = 2 x 16 + 8, 72 = 4 x 16 + 8, 12 < 16), block sizes 8 and 1, and for the
+# dot-product path head_dim 32 and groups of 3 (SmolLM2's 9 heads over 3 KV heads).
+ODD_SHAPES = [(6, 2, 40, 16), (4, 1, 72, 8), (3, 3, 12, 16), (4, 2, 64, 1), (6, 2, 32, 8), (9, 3, 64, 16)]
 
 
 @c_kernel_only
@@ -351,7 +357,8 @@ def test_each_kernel_version_matches_reference(kernel_version, dtype: torch.dtyp
 
 
 @c_kernel_only
-def test_each_kernel_version_rounds_to_nearest_even(kernel_version) -> None:
+@pytest.mark.parametrize("head_dim", [72, 64])   # 64: the AVX512_BF16 dot-product path where built
+def test_each_kernel_version_rounds_to_nearest_even(kernel_version, head_dim: int) -> None:
     """A case with one right answer: with q = 0 both tokens of a context weigh exactly 1/2,
     so the float32 result is (v0 + v1) / 2 rounded once, whatever the order of operations,
     and the kernel's output must have the very bits of torch's ``.to(bfloat16)`` of it.
@@ -359,7 +366,7 @@ def test_each_kernel_version_rounds_to_nearest_even(kernel_version) -> None:
     name, library = kernel_version
     seed = random.randrange(1 << 30)
     specs = [(1, 1)] * 24
-    batch = make_batch(seed, specs, 4, 2, 72, 16, torch.bfloat16, CPU)
+    batch = make_batch(seed, specs, 4, 2, head_dim, 16, torch.bfloat16, CPU)
     batch.query.zero_()
     block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
     actual = direct_decode(batch, library, 0.125)

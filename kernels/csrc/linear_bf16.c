@@ -26,7 +26,11 @@
  * Groups of panels are shared out to OpenMP threads (torch's pool) in contiguous ranges, so each
  * thread streams one stretch of the packed weight; the first row tile of a group prefetches
  * PREFETCH_LINES cache lines ahead in each panel (16 rows, 8 x 3 tiles: 8.6 -> 7.1 ms; the
- * hardware prefetcher alone does not keep three streams per core ahead).
+ * hardware prefetcher alone does not keep three streams per core ahead). The distance covers the
+ * memory latency at 16 rows, where a line of a panel (one pair of k) feeds 16 dot products, ~10
+ * cycles: on the 2-core AVX512_BF16 EPYC the model's 121 matmuls at 16 rows took 7.9 ms 16 lines
+ * ahead, 6.9 at 48, 6.6 at 64 and at 96; at 1 row 5.7-5.9 ms (the memory's pace) at every distance
+ * (docs/benchmarks.md, "bfloat16: our AVX512_BF16 kernel").
  * Accumulation is float32 over the whole k loop; a bfloat16 output is rounded once, to nearest
  * even. x is read in pairs, so k must be even (the caller checks; every hidden size in use is).
  *
@@ -40,7 +44,7 @@
 #define MR 8                /* rows per tile, beyond ONE_TILE_ROWS rows */
 #define NP 3                /* panels per tile, beyond ONE_TILE_ROWS rows */
 #define ONE_TILE_ROWS 16    /* up to this many rows: one tile of all rows x one panel */
-#define PREFETCH_LINES 16   /* how far ahead the first row tile prefetches, per panel */
+#define PREFETCH_LINES 64   /* how far ahead the first row tile prefetches, per panel */
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
