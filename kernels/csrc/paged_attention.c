@@ -335,7 +335,7 @@ static inline __attribute__((always_inline)) __m512 sum_lanes_16(const __m512 v[
 static inline __attribute__((always_inline)) void scores_dp(
         const int VEC, const bf16_t *restrict q, const int64_t *restrict offsets, int64_t seq_len,
         const bf16_t *restrict key_cache, int64_t num_heads, int64_t group, int64_t head_dim, int64_t token_stride,
-        float scale, float *restrict scores) {
+        float scale, float *restrict scores, bf16_t *restrict chunk /* [SCORE_CHUNK][token_stride] */) {
     for (int64_t t0 = 0; t0 < seq_len; t0 += SCORE_CHUNK) {
         const int64_t n = seq_len - t0 < SCORE_CHUNK ? seq_len - t0 : SCORE_CHUNK;
         const int64_t at = t0 + PREFETCH_K_CHUNKS * SCORE_CHUNK;
@@ -345,15 +345,20 @@ static inline __attribute__((always_inline)) void scores_dp(
             for (int64_t byte = 0; byte < token_stride * (int64_t)sizeof(bf16_t); byte += 64)
                 __builtin_prefetch(row + byte);
         }
+        /* The heads below read a row 128 bytes at a time, KV head after KV head; copying the
+         * chunk's rows first, in address order, made the K pass ~10% faster (the same copy of
+         * V rows for the V pass measured no gain). */
+        for (int64_t i = 0; i < n; ++i)
+            memcpy(chunk + i * token_stride, key_cache + offsets[t0 + i], sizeof(bf16_t) * token_stride);
         for (int64_t h = 0; h < num_heads; ++h) {
-            const bf16_t *k0 = key_cache + (h / group) * head_dim;
+            const bf16_t *k0 = chunk + (h / group) * head_dim;
             __m512bh qv[DP_MAX_VECTORS];
             for (int j = 0; j < VEC; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + h * head_dim + 32 * j);
             __m512 acc[SCORE_CHUNK];
             _Pragma("GCC unroll 16") for (int i = 0; i < SCORE_CHUNK; ++i) {
                 acc[i] = _mm512_setzero_ps();
                 if (i < n) {
-                    const bf16_t *k = k0 + offsets[t0 + i];
+                    const bf16_t *k = k0 + i * token_stride;
                     for (int j = 0; j < VEC; ++j)
                         acc[i] = _mm512_dpbf16_ps(acc[i], qv[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
                 }
@@ -425,21 +430,32 @@ static int dp_path_fits(int64_t head_dim) {
     return head_dim == 32 || head_dim == 64 || head_dim == 128;
 }
 
+/* Scratch attend_sequence_dp needs beside the scores, in bytes: row offsets, then one chunk of rows. */
+static int64_t dp_scratch_bytes(int64_t seq_len, int64_t token_stride) {
+    return sizeof(int64_t) * seq_len + sizeof(bf16_t) * SCORE_CHUNK * token_stride;
+}
+
 /* One sequence, all heads, through the dot-product path. q: bfloat16 [num_heads * head_dim];
- * out: float32, rounded by the caller; offsets: scratch [seq_len]; scores: [num_heads * seq_len]. */
+ * out: float32, rounded by the caller; scores: [num_heads * seq_len]; scratch: dp_scratch_bytes,
+ * 8-byte aligned. */
 static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, const int32_t *restrict table,
                                int64_t seq_len, const bf16_t *key_cache, const bf16_t *value_cache, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                               float *restrict scores, int64_t *restrict offsets) {
+                               float *restrict scores, void *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    int64_t *offsets = scratch;
+    bf16_t *chunk = (bf16_t *)(offsets + seq_len);
     for (int64_t t = 0, block = 0, slot = 0; t < seq_len; ++t) {   /* token_offset without a division */
         offsets[t] = ((int64_t)table[block] * block_size + slot) * token_stride;
         if (++slot == block_size) slot = 0, ++block;
     }
     const int vec = (int)(head_dim / 32);
-    if (vec == 1) scores_dp(1, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores);
-    else if (vec == 2) scores_dp(2, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores);
-    else scores_dp(4, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores);
+    if (vec == 1) scores_dp(1, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
+              chunk);
+    else if (vec == 2) scores_dp(2, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
+                   chunk);
+    else scores_dp(4, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
+                   chunk);
     for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len);
     const int64_t per_pass = vec == 4 ? 2 : 3;
     for (int64_t h = 0; h < num_heads;) {
@@ -452,6 +468,11 @@ static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, co
 }
 #else
 int decode_attention_bf16_dot_product(void) { return 0; }
+
+static int64_t dp_scratch_bytes(int64_t seq_len, int64_t token_stride) {
+    (void)seq_len, (void)token_stride;
+    return 0;
+}
 #endif
 
 /* Returns 0, or -1 when a scratch allocation failed (the caller raises). */
@@ -486,20 +507,21 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t seq_len = seq_lens[s];
-        /* One allocation: row offsets (dot-product path), scores, the float32 query, output and V row. */
-        int64_t *offsets = malloc(sizeof(int64_t) * seq_len +
-                                  sizeof(float) * (num_heads * seq_len + 2 * width + num_kv_heads * head_dim));
-        if (offsets == NULL) {
+        /* One allocation: scores, the float32 query, output and V row, then the dot-product
+         * path's scratch (at a multiple of 8 bytes: it starts with int64 offsets). */
+        const int64_t floats = (num_heads * seq_len + 2 * width + num_kv_heads * head_dim + 1) / 2 * 2;
+        float *scores = malloc(sizeof(float) * floats + dp_scratch_bytes(seq_len, num_kv_heads * head_dim));
+        if (scores == NULL) {
             failed = 1;
             continue;
         }
-        float *scores = (float *)(offsets + seq_len);
         float *q = scores + num_heads * seq_len, *o = q + width, *v_row = o + width;
         const int64_t offset = rows[s] * width;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if (dp_path_fits(head_dim)) {
             attend_sequence_dp(query + offset, o, block_tables + s * block_table_stride, seq_len, key_cache,
-                               value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, scores, offsets);
+                               value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, scores,
+                               scores + floats);
         } else
 #endif
         {
@@ -508,7 +530,7 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
                             num_heads, num_kv_heads, head_dim, block_size, scale, scores, v_row);
         }
         for (int64_t i = 0; i < width; ++i) out[offset + i] = f32_to_bf16(o[i]);
-        free(offsets);
+        free(scores);
     }
     return failed ? -1 : 0;
 }
