@@ -293,7 +293,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
  *   - each token's row offset is found once per sequence (a walk over the block table);
  *   - q.k takes the bfloat16 query and K as they are, 32 elements per _mm512_dpbf16_ps (each
  *     product of two bfloat16 is exact in float32, sums in float32, as the widening path);
- *   - the scores of 16 tokens are reduced together (sum_lanes_16: 45 shuffles and adds for 16
+ *   - the scores of 16 tokens are reduced together (reduce_lanes_16: 45 shuffles and adds for 16
  *     sums instead of ~8 per sum), a chunk at a time for every head, so a chunk's K rows are read
  *     from memory once and from L1 by the other heads;
  *   - the V pass runs the heads of a GQA group together: each V row is loaded and widened once
@@ -312,22 +312,24 @@ static inline __attribute__((always_inline)) void attend_sequence(
 
 int decode_attention_bf16_dot_product(void) { return 1; }
 
-/* Lane i of the result = the sum of the 16 lanes of v[i]. */
-static inline __attribute__((always_inline)) __m512 sum_lanes_16(const __m512 v[16]) {
+/* Lane i of the result = the sum (or, with take_max, the maximum) of the 16 lanes of v[i]. */
+static inline __attribute__((always_inline)) __m512 reduce_lanes_16(const __m512 v[16], const int take_max) {
+#define COMBINE(a, b) (take_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b))
     __m512 pairs[8], quads[4], octs[2];
     /* [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane for a = v[2i], b = v[2i+1] */
     for (int i = 0; i < 8; ++i)
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+        pairs[i] = COMBINE(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     /* one 128-bit lane's sum of each of v[4i .. 4i+3], in that lane */
     for (int i = 0; i < 4; ++i)
-        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        quads[i] = COMBINE(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     /* 128-bit lanes 0+1 and 2+3 of quads[2i] (v[8i .. 8i+3]), then of quads[2i+1] */
     for (int i = 0; i < 2; ++i)
-        octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        octs[i] = COMBINE(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return COMBINE(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                   _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#undef COMBINE
 }
 
 /* scores[h * seq_len + t] = scale * q_h . K_t for every head h and token t. VEC: head_dim / 32,
@@ -365,7 +367,7 @@ static inline __attribute__((always_inline)) void scores_dp(
             }
             const __mmask16 keep = n == SCORE_CHUNK ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
             _mm512_mask_storeu_ps(scores + h * seq_len + t0, keep,
-                                  _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
+                                  _mm512_mul_ps(reduce_lanes_16(acc, 0), _mm512_set1_ps(scale)));
         }
     }
 }
@@ -663,6 +665,150 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* prefill_task for bfloat16 where the compiler targets AVX512_BF16 and head_dim is 32, 64 or 128
+ * (dp_path_fits). prefill_task spent ~3 of every 4 cycles outside its multiply-adds, mostly on
+ * per-row scalar bookkeeping (masking, block max and sum, expf of the correction) and on
+ * widening K and V element by element. Here, for the same tasks and key blocks:
+ *   - K is transposed as 32-bit pairs into [head_dim / 2][16 keys], the operand layout of
+ *     _mm512_dpbf16_ps, and each row's 16 scores come from head_dim / 2 dot products of its
+ *     bfloat16 query pair (broadcast) with a vector of 16 keys' pairs;
+ *   - the online softmax runs for PREFILL_ROW_BLOCK rows at once: the rows' block maxima and
+ *     sums are reduced together (reduce_lanes_16), their corrections are one vector exp;
+ *   - V is widened once per block into even / odd lanes (shift / mask), and each row's output
+ *     is kept split that way until the end, as in the decode path.
+ * Scores are scaled after the dot product (prefill_task scales the query first). */
+#define PREFILL_ROW_BLOCK 16
+
+/* Scratch bytes prefill_task_dp needs for ``rows`` (a multiple of PREFILL_ROW_BLOCK). */
+static int64_t prefill_dp_scratch_bytes(int64_t rows, int64_t head_dim) {
+    return sizeof(bf16_t) * rows * head_dim                           /* queries */
+           + sizeof(float) * (rows * head_dim + 2 * rows)              /* outputs, row max and sum */
+           + sizeof(uint32_t) * head_dim / 2 * PREFILL_KEY_BLOCK       /* K pairs, transposed */
+           + sizeof(float) * PREFILL_KEY_BLOCK * head_dim              /* V, widened and split */
+           + sizeof(float) * PREFILL_ROW_BLOCK * (PREFILL_KEY_BLOCK + 2);  /* probabilities, maxima, corrections */
+}
+
+static inline __attribute__((always_inline)) void prefill_task_dp(
+        const int VEC, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1, int64_t context_len,
+        const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g, int64_t num_heads,
+        int64_t num_kv_heads, int64_t block_size, float scale, int64_t rows, void *scratch) {
+    const int64_t head_dim = 32 * VEC, group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t real_rows = group * (i1 - i0);
+    bf16_t *restrict q = scratch;                                /* [rows][head_dim] */
+    float *restrict o = (float *)(q + rows * head_dim);          /* [rows][VEC][even 16, odd 16] */
+    float *restrict row_max = o + rows * head_dim;               /* [rows] */
+    float *restrict row_sum = row_max + rows;                    /* [rows] */
+    uint32_t *restrict kp = (uint32_t *)(row_sum + rows);        /* [head_dim / 2][KEY_BLOCK] */
+    float *restrict vs = (float *)(kp + head_dim / 2 * PREFILL_KEY_BLOCK);   /* [KEY_BLOCK][VEC][even, odd] */
+    float *restrict p = vs + PREFILL_KEY_BLOCK * head_dim;       /* [ROW_BLOCK][KEY_BLOCK] */
+    float *restrict new_max = p + PREFILL_ROW_BLOCK * PREFILL_KEY_BLOCK, *restrict correction = new_max + PREFILL_ROW_BLOCK;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        if (r < real_rows) memcpy(q + r * head_dim, query + ((row0 + i) * num_heads + h) * head_dim, sizeof(bf16_t) * head_dim);
+        else memset(q + r * head_dim, 0, sizeof(bf16_t) * head_dim);
+        memset(o + r * head_dim, 0, sizeof(float) * head_dim);
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
+    for (int64_t j0 = 0; j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
+        const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
+        for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
+            if (t < keys) {
+                const int64_t at = token_offset(table, j0 + t, block_size, token_stride) + g * head_dim;
+                const uint32_t *pairs = (const uint32_t *)(key_cache + at);
+                for (int64_t d = 0; d < head_dim / 2; ++d) kp[d * PREFILL_KEY_BLOCK + t] = pairs[d];
+                for (int j = 0; j < VEC; ++j) {
+                    const __m512i pair = _mm512_loadu_si512(value_cache + at + 32 * j);
+                    _mm512_storeu_ps(vs + t * head_dim + 32 * j, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+                    _mm512_storeu_ps(vs + t * head_dim + 32 * j + 16, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+                }
+            } else {   /* past the keys: zeros (never NaN from memory), masked below */
+                for (int64_t d = 0; d < head_dim / 2; ++d) kp[d * PREFILL_KEY_BLOCK + t] = 0;
+                memset(vs + t * head_dim, 0, sizeof(float) * head_dim);
+            }
+        }
+        for (int64_t r0 = 0; r0 < rows && r0 < real_rows; r0 += PREFILL_ROW_BLOCK) {
+            /* keys of this block each row may see: its query's position, the block's keys */
+            int visible[PREFILL_ROW_BLOCK];
+            __mmask16 masks[PREFILL_ROW_BLOCK];
+            int any = 0;
+            for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
+                const int64_t r = r0 + rr;
+                int64_t v = r < real_rows ? context_len + i0 + r / group - j0 + 1 : 0;
+                v = v < 0 ? 0 : v > keys ? keys : v;
+                visible[rr] = (int)v;
+                masks[rr] = v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << v) - 1);
+                any |= v > 0;
+            }
+            if (!any) continue;     /* the whole block is in these rows' future */
+            __m512 s[PREFILL_ROW_BLOCK];
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) s[rr] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim / 2; ++d) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + d * PREFILL_KEY_BLOCK);
+                _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
+                    int32_t pair;
+                    memcpy(&pair, q + (r0 + rr) * head_dim + 2 * d, sizeof pair);
+                    s[rr] = _mm512_dpbf16_ps(s[rr], (__m512bh)_mm512_set1_epi32(pair), k);
+                }
+            }
+            const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr)
+                s[rr] = _mm512_mask_mul_ps(minus_inf, masks[rr], s[rr], _mm512_set1_ps(scale));
+            /* per row: the new running max; rows that see no key of the block keep theirs */
+            const __m512 block_max = reduce_lanes_16(s, 1), old_max = _mm512_loadu_ps(row_max + r0);
+            const __mmask16 active = _mm512_cmp_ps_mask(block_max, minus_inf, _CMP_GT_OQ);
+            const __m512 top = _mm512_mask_max_ps(old_max, active, old_max, block_max);
+            const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), active, exp_ps(_mm512_sub_ps(old_max, top)));
+            _mm512_storeu_ps(row_max + r0, top);
+            _mm512_storeu_ps(new_max, top);
+            _mm512_storeu_ps(correction, scale_old);
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
+                s[rr] = _mm512_maskz_mov_ps(masks[rr], exp_ps(_mm512_sub_ps(s[rr], _mm512_set1_ps(new_max[rr]))));
+                _mm512_storeu_ps(p + rr * PREFILL_KEY_BLOCK, s[rr]);
+            }
+            _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), scale_old, reduce_lanes_16(s, 0)));
+            for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
+                if (!visible[rr]) continue;
+                float *orow = o + (r0 + rr) * head_dim;
+                const __m512 c = _mm512_set1_ps(correction[rr]);
+                __m512 acc[2 * DP_MAX_VECTORS];
+                for (int j = 0; j < 2 * VEC; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * j), c);
+                for (int t = 0; t < visible[rr]; ++t) {
+                    const __m512 w = _mm512_set1_ps(p[rr * PREFILL_KEY_BLOCK + t]);
+                    for (int j = 0; j < 2 * VEC; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vs + t * head_dim + 16 * j), acc[j]);
+                }
+                for (int j = 0; j < 2 * VEC; ++j) _mm512_storeu_ps(orow + 16 * j, acc[j]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < real_rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        bf16_t *dst = out + ((row0 + i) * num_heads + h) * head_dim;
+        const float inv = 1.0f / row_sum[r];
+        for (int j = 0; j < VEC; ++j)
+            for (int e = 0; e < 16; ++e) {
+                dst[32 * j + 2 * e] = f32_to_bf16(o[r * head_dim + 32 * j + e] * inv);
+                dst[32 * j + 2 * e + 1] = f32_to_bf16(o[r * head_dim + 32 * j + 16 + e] * inv);
+            }
+    }
+}
+
+static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+                                int64_t context_len, const int32_t *table, const bf16_t *key_cache,
+                                const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale, int64_t rows, void *scratch) {
+#define TASK(V) prefill_task_dp(V, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, num_heads, \
+                                num_kv_heads, block_size, scale, rows, scratch)
+    if (head_dim == 32) TASK(1);
+    else if (head_dim == 64) TASK(2);
+    else TASK(4);
+#undef TASK
+}
+#endif
+
 /* Every prefill sequence of a step: sequence s owns packed rows q_starts[s] ..
  * q_starts[s] + q_lens[s], the last q_lens[s] of its seq_lens[s] tokens. Tasks (sequence,
  * KV head, query tile) go to OpenMP threads. Returns 0, or -1 when scratch allocation failed. */
@@ -692,6 +838,24 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         const int64_t i1 = i0 + PREFILL_QUERY_TILE < q_lens[s] ? i0 + PREFILL_QUERY_TILE : q_lens[s];
         const int64_t task_rows = (group * (i1 - i0) + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
                                   PREFILL_ROWS_AT_ONCE;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        if (is_bf16 && dp_path_fits(head_dim)) {
+            const int64_t dp_rows = (group * PREFILL_QUERY_TILE + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK *
+                                    PREFILL_ROW_BLOCK;
+            void *scratch = malloc(prefill_dp_scratch_bytes(dp_rows, head_dim));
+            if (scratch == NULL) {
+                failed = 1;
+                continue;
+            }
+            prefill_task_dp_any(query, out, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
+                                block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
+                                num_kv_heads, head_dim, block_size, scale,
+                                (group * (i1 - i0) + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK * PREFILL_ROW_BLOCK,
+                                scratch);
+            free(scratch);
+            continue;
+        }
+#endif
         float *scratch = malloc(sizeof(float) * prefill_scratch_floats(rows, head_dim));
         if (scratch == NULL) {
             failed = 1;
