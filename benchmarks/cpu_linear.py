@@ -7,7 +7,7 @@ decoding sequence) through ``native`` (our kernel), ``onednn`` (prepacked) and `
 the machines are shared and their speed drifts.
 
     python -m benchmarks.cpu_linear --rows 1,16,64
-    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our AVX512_BF16 kernel where it builds
+    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our bf16 kernel (AVX512_BF16, else AVX2)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
     makers = {"native": native_linear, "onednn": PackedLinear}
     available = {"native": native_kernel_available(dtype),
-                 "onednn": onednn_packing_available(), "torch": True}
+                 "onednn": onednn_packing_available(dtype), "torch": True}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):
         if not available[path]:

@@ -3,9 +3,11 @@
 # our server from each tree named, then vLLM CPU in each dtype named. The machines are shared
 # and their speed drifts, so every claim compares servers within a round.
 #
-#   benchmarks/side_by_side.sh ROUNDS OUT_DIR NAME=TREE... [vllm:DTYPE...]
+#   benchmarks/side_by_side.sh ROUNDS OUT_DIR NAME=TREE[,KEY=VALUE...]... [vllm:DTYPE...]
 #   benchmarks/side_by_side.sh 2 /tmp/sbs new=. before=/tmp/wt_old vllm:bfloat16
+#   benchmarks/side_by_side.sh 2 /tmp/sbs f32=. bf16=.,dtype=bfloat16 vllm:float32 vllm:bfloat16
 #
+# KEY=VALUE pairs after a tree are engine parameters for that server (`--param KEY=VALUE`).
 # A tree is a checkout of this repository (a `git worktree` of an older commit; it needs the
 # models/ folder, a symlink will do); all of them run on this checkout's .venv. vLLM runs from
 # $VLLM_VENV (default /tmp/peers/vllm-venv; docs/benchmarks.md says how to make it).
@@ -33,8 +35,12 @@ for round in $(seq 1 "$rounds"); do
             pid=$! target=$name=openai@127.0.0.1:8100
             wait_ready 127.0.0.1:8100/v1/models 600
         else
-            name=${server%%=*} tree=$(cd "${server#*=}" && pwd)
-            (cd "$tree" && exec "$python" -m server.launch --http-port 8000 --grpc-port 8001 --metrics-port 8002) \
+            name=${server%%=*} spec=${server#*=}
+            IFS=, read -r -a parts <<< "$spec"
+            tree=$(cd "${parts[0]}" && pwd) params=()
+            for kv in "${parts[@]:1}"; do params+=(--param "$kv"); done
+            (cd "$tree" && exec "$python" -m server.launch --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
+                "${params[@]}") \
                 > "$out/$name-$round.log" 2>&1 &
             pid=$! target=$name=triton@127.0.0.1:8000
             wait_ready 127.0.0.1:8000/v2/models/llm/ready 300

@@ -102,13 +102,14 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, name).argtypes = []
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
-    library.linear_bf16_supported.restype = ctypes.c_int
-    library.linear_bf16_supported.argtypes = []
-    library.linear_bf16_f32.restype = None
+    for name in ("linear_bf16_supported", "linear_bf16_isa"):
+        getattr(library, name).restype = ctypes.c_int
+        getattr(library, name).argtypes = []
+    library.linear_bf16_f32.restype = ctypes.c_int
     library.linear_bf16_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, ctypes.c_int]
-    library.linear_bf16.restype = None
+    library.linear_bf16.restype = ctypes.c_int
     library.linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
-    library.linear_f32.restype = None
+    library.linear_f32.restype = ctypes.c_int
     library.linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
     for suffix in LAYER_OPS_SUFFIXES.values():
         getattr(library, "add_rms_norm" + suffix).restype = None
@@ -137,40 +138,52 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
 
 
 def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """One call of a projection kernel (``linear_f32`` or ``linear_bf16``: the same arguments)."""
+                   bias: torch.Tensor | None, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One call of a projection kernel (``linear_f32``, ``linear_bf16`` or ``linear_bf16_f32``:
+    the same arguments, the last without a bias). ``library``: another build (tests)."""
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=out_dtype)
     if rows:
-        getattr(load(), kernel)(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
-                                None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        function = getattr(load() if library is None else library, kernel)
+        bias_args = () if kernel == "linear_bf16_f32" else (None if bias is None else bias.data_ptr(),)
+        status = function(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features, *bias_args,
+                          out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"{kernel}: scratch allocation failed")
     return out
+
+
+# linear_bf16_isa()'s answer -> the version of the bfloat16 kernels a library was built with.
+LINEAR_BF16_VERSIONS = {2: "avx512-bf16", 1: "avx2"}
+
+
+def linear_bf16_version(library: ctypes.CDLL | None = None) -> str | None:
+    """Which bfloat16 linear kernels a build has: ``avx512-bf16`` (dot products), ``avx2``
+    (bfloat16 widened to float32 in registers, for CPUs without bfloat16 arithmetic) or None."""
+    library = load() if library is None else library
+    return None if library is None else LINEAR_BF16_VERSIONS.get(library.linear_bf16_isa())
 
 
 def linear_bf16_available() -> bool:
-    """The bfloat16 kernels (bfloat16 or float32 out) build here (the CPU has AVX512_BF16)."""
-    library = load()
-    return library is not None and bool(library.linear_bf16_supported())
+    """The bfloat16 kernels (bfloat16 or float32 out) build here: AVX512_BF16, or AVX2 + FMA."""
+    return linear_bf16_version() is not None
 
 
-def linear_bf16_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def linear_bf16_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    library: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x @ W.T`` in float32 with ``packed`` = ``backend.model.cpu_linear.pack_pairs(W)``.
     ``x``: [rows, in_features] bfloat16 CPU, unit column stride, in_features even; returns a
     new contiguous float32 [rows, out_features]."""
-    rows, in_features = x.shape
-    out = torch.empty(rows, out_features)
-    if rows:
-        load().linear_bf16_f32(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features,
-                               out.data_ptr(), torch.get_num_threads())
-    return out
+    return _packed_linear("linear_bf16_f32", torch.float32, x, packed, out_features, None, library)
 
 
-def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                library: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` in bfloat16 (float32 sums, rounded once) with ``packed`` =
     ``backend.model.cpu_linear.pack_pairs(W)``. ``x``: [rows, in_features] bfloat16 CPU, unit
     column stride, in_features even; ``bias``: float32 [out_features] or None; returns a new
     contiguous bfloat16 [rows, out_features]."""
-    return _packed_linear("linear_bf16", torch.bfloat16, x, packed, out_features, bias)
+    return _packed_linear("linear_bf16", torch.bfloat16, x, packed, out_features, bias, library)
 
 
 # The decode attention kernel per dtype of query, output and caches (all the same dtype).

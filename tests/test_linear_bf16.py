@@ -1,23 +1,59 @@
 """The bfloat16 kernels of kernels/csrc/linear_bf16.c against the reference, ``F.linear`` on the
 widened operands, whose products are the same exact values (only the summation order
 differs): the projections (``NativeBf16Linear``, bfloat16 out, rounded once) and the LM head
-with float32 logits (``Float32Logits``). The kernels need AVX512_BF16; on a CPU without it
-the projection tests are reported NOT RUN and the head's float32-copy path runs."""
+with float32 logits (``Float32Logits``). Each version of the kernels that this CPU can run is
+built and tested: AVX512_BF16 dot products, and AVX2 widening (built with -mno-avx512f on an
+AVX-512 CPU); a version the CPU cannot run is reported NOT RUN, naming what it lacks."""
 
 from __future__ import annotations
+
+import ctypes
+import platform
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.model.cpu_linear import Float32Logits, NativeBf16Linear, PackedLinear, native_linear, pack_pairs
+from backend.model.cpu_linear import (Float32Logits, NativeBf16Linear, PackedLinear, TorchLinear, native_linear,
+                                      onednn_packing_available, pack_pairs)
 from kernels import cpu_native
+
+# version -> (flags added to the engine's build, CPU flags it needs). Every build starts from
+# -march=native and switches off what the version must not use.
+KERNEL_VERSIONS = {
+    "avx512-bf16": ((), {"avx512f", "avx512_bf16"}),
+    "avx2": (("-mno-avx512f",), {"avx2", "fma"}),
+}
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module", params=list(KERNEL_VERSIONS))
+def bf16_library(request) -> ctypes.CDLL:
+    """A build of the kernels holding one version of the bfloat16 linear kernel; skipped, naming
+    the missing CPU features, only when this CPU cannot run that version."""
+    extra_flags, needed = KERNEL_VERSIONS[request.param]
+    missing = needed - cpu_flags() if platform.machine() in ("x86_64", "AMD64") else {"an x86 CPU"}
+    if missing:
+        pytest.skip(f"NOT RUN: the {request.param} version of the bfloat16 linear kernel needs {sorted(missing)}, "
+                    f"which this CPU lacks")
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra_flags))
+    assert cpu_native.linear_bf16_version(library) == request.param
+    return library
 
 
 @pytest.fixture
 def bf16_kernel() -> None:
+    """The engine's own build has a version of the kernel (the layer classes use it)."""
     if not cpu_native.linear_bf16_available():
-        pytest.skip("NOT RUN: the bfloat16 linear kernel needs a CPU with AVX512_BF16 (and gcc to target it)")
+        pytest.skip("NOT RUN: the bfloat16 linear kernel needs a CPU with AVX512_BF16 or AVX2 + FMA "
+                    "(and gcc to target it)")
 
 
 def within_one_rounding(got: torch.Tensor, exact: torch.Tensor, in_features: int) -> None:
@@ -32,8 +68,9 @@ def within_one_rounding(got: torch.Tensor, exact: torch.Tensor, in_features: int
 def test_which_path_runs_here() -> None:
     head = Float32Logits(torch.randn(40, 8).bfloat16())
     kernel = head.packed_weight is not None
-    print(f"Float32Logits on this CPU: {'the AVX512_BF16 kernel' if kernel else 'NOT the kernel (no AVX512_BF16): float32 copy'}")
-    assert kernel == cpu_native.linear_bf16_available()
+    version = cpu_native.linear_bf16_version()
+    print(f"Float32Logits on this CPU: {f'the {version} kernel' if kernel else 'NOT the kernel: float32 copy'}")
+    assert kernel == (version is not None)
 
 
 def test_pack_pairs_layout() -> None:
@@ -79,7 +116,7 @@ def test_float32_logits_on_several_threads(threads: int) -> None:
 
 
 def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
-    """What a CPU without AVX512_BF16 runs (covered on every machine)."""
+    """What a CPU without the kernel runs (covered on every machine)."""
     monkeypatch.setattr(cpu_native, "linear_bf16_available", lambda: False)
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(50, 32, generator=gen).bfloat16()
@@ -89,47 +126,66 @@ def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
     torch.testing.assert_close(head(x), F.linear(x.float(), weight.float()), atol=1e-5, rtol=1e-5)
 
 
-# Row counts cover both tilings (up to 16 rows one tile of all rows x 1 panel, beyond them tiles
-# of 8 rows x 3 panels with every shorter last tile); sizes cover one, two and three panels per
-# tile, partial panels (37, 20 outputs) and SmolLM2's shapes.
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 64])
+# Row counts cover both tilings of the AVX512_BF16 version (up to 16 rows one tile of all rows x
+# 1 panel, beyond them tiles of 8 rows x 3 panels with every shorter last tile) and the AVX2
+# version's (tiles of 4 rows, blocks of 48 rows); sizes cover one, two and three panels per tile,
+# partial panels (37, 20 outputs) and SmolLM2's shapes.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 49, 64, 100])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 130), (20, 8), (16, 2), (48, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_native_bf16_linear_matches_reference(bf16_kernel, rows: int, out_features: int, in_features: int,
-                                              bias: bool) -> None:
+def test_bf16_kernel_matches_reference(bf16_library, rows: int, out_features: int, in_features: int,
+                                       bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * out_features + in_features + bias)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    layer = NativeBf16Linear(weight, b)
+    packed = pack_pairs(weight)
     storage = torch.full((rows, in_features + 6), float("nan")).bfloat16()   # row stride > in_features
     storage[:, 3:3 + in_features] = torch.randn(rows, in_features, generator=gen).bfloat16()
     x = storage[:, 3:3 + in_features]
     exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    within_one_rounding(layer(x), exact, in_features)
-    # Leading dimensions are kept.
-    assert layer(x.contiguous().view(1, rows, in_features)).shape == (1, rows, out_features)
+    got = cpu_native.linear_bf16(x, packed, out_features, None if b is None else b.float(), library=bf16_library)
+    within_one_rounding(got, exact, in_features)
+    # float32 out (the LM head): the same sums, not rounded.
+    logits = cpu_native.linear_bf16_f32(x, packed, out_features, library=bf16_library)
+    torch.testing.assert_close(logits, F.linear(x.float(), weight.float()), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
 
 
-def test_native_bf16_linear_matches_onednn_on_model_shapes(bf16_kernel) -> None:
-    """What the kernel replaces: prepacked oneDNN, also float32 sums rounded once."""
+def test_native_bf16_linear_keeps_leading_dims(bf16_kernel) -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 64, generator=gen).bfloat16()
+    x = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    layer = NativeBf16Linear(weight, None)
+    got = layer(x)
+    assert got.shape == (2, 3, 40)
+    within_one_rounding(got.view(6, 40), F.linear(x.view(6, 64).float(), weight.float()), 64)
+
+
+def test_bf16_kernel_matches_onednn_on_model_shapes(bf16_library) -> None:
+    """What the kernel replaces where oneDNN packs bfloat16: float32 sums rounded once too."""
+    if not onednn_packing_available(torch.bfloat16):
+        pytest.skip("NOT RUN: oneDNN packs bfloat16 weights only with AVX-512 or AVX-NE-CONVERT, "
+                    "which this CPU lacks")
     gen = torch.Generator().manual_seed(3)
     for out_features, in_features in [(960, 576), (3072, 576), (576, 1536)]:
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
         x = torch.randn(16, in_features, generator=gen).bfloat16()
-        ours, theirs = NativeBf16Linear(weight, None)(x).float(), PackedLinear(weight, None)(x).float()
+        ours = cpu_native.linear_bf16(x, pack_pairs(weight), out_features, None, library=bf16_library).float()
+        theirs = PackedLinear(weight, None)(x).float()
         unit = theirs.abs() * 2.0 ** -7
         assert ((ours - theirs).abs() <= unit + 1e-5).all()
 
 
-def test_native_bf16_linear_on_several_threads(bf16_kernel, threads: int) -> None:
+def test_bf16_kernel_on_several_threads(bf16_library, threads: int) -> None:
     gen = torch.Generator().manual_seed(threads)
     weight = torch.randn(300, 64, generator=gen).bfloat16()
     x = torch.randn(21, 64, generator=gen).bfloat16()
-    within_one_rounding(NativeBf16Linear(weight, None)(x), F.linear(x.float(), weight.float()), 64)
+    got = cpu_native.linear_bf16(x, pack_pairs(weight), 300, None, library=bf16_library)
+    within_one_rounding(got, F.linear(x.float(), weight.float()), 64)
 
 
 def test_native_linear_picks_by_dtype_and_input_size(bf16_kernel) -> None:
     assert isinstance(native_linear(torch.randn(8, 6).bfloat16(), None), NativeBf16Linear)
-    assert isinstance(native_linear(torch.randn(8, 5).bfloat16(), None), PackedLinear)   # odd: not in pairs
+    odd = native_linear(torch.randn(8, 5).bfloat16(), None)   # odd: not in pairs
+    assert isinstance(odd, PackedLinear if onednn_packing_available(torch.bfloat16) else TorchLinear)
     with pytest.raises(ValueError, match="even"):
         NativeBf16Linear(torch.randn(8, 5).bfloat16(), None)

@@ -29,13 +29,20 @@ from kernels import cpu_native
 PANEL_WIDTH = 16    # output columns per packed panel: NR in kernels/csrc/linear_f32.c
 
 
-def onednn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def onednn_packing_available(dtype: torch.dtype = torch.float32, features: CpuFeatures | None = None) -> bool:
+    """oneDNN can prepack weights of this dtype here: float32 wherever torch has oneDNN; bfloat16
+    only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (elsewhere torch refuses at packing time)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        features = features or detect()
+        return features.avx512 or "avx_ne_convert" in features.flags
+    return dtype == torch.float32
 
 
 def native_kernel_available(dtype: torch.dtype) -> bool:
     """Our C matmul for this dtype builds and runs here: float32 with AVX2 + FMA, bfloat16 with
-    AVX512_BF16."""
+    AVX512_BF16 (dot products) or AVX2 + FMA (widened to float32 in registers)."""
     if dtype == torch.float32:
         return cpu_native.linear_available()
     return dtype == torch.bfloat16 and cpu_native.linear_bf16_available()
@@ -52,11 +59,14 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
     | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.34x prepacked oneDNN at 16 rows     |
     | bfloat16 | AMX-BF16                 | onednn | oneDNN's AMX tiles (not measured against ours yet)     |
+    | bfloat16 | AVX2 + FMA, no bf16 math | native | our kernel's AVX2 version (widening): see the docs     |
     | other    | any                      | torch  | F.linear                                              |
 
-    ``native`` is our C kernel: float32 (AVX2 + FMA) or bfloat16 (AVX512_BF16). An explicit
-    choice that cannot run here is an error at start-up. ``features`` defaults to this
-    machine's (tests pass others)."""
+    ``native`` is our C kernel: float32 (AVX2 + FMA) or bfloat16 (AVX512_BF16, else AVX2 +
+    FMA). On a CPU with bfloat16 arithmetic only the AVX512_BF16 build of the bfloat16 kernel
+    is ``native`` (a compiler that cannot target it leaves oneDNN). An explicit choice that
+    cannot run here is an error at start-up. ``features`` defaults to this machine's (tests
+    pass others)."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_CHOICES}, got {choice!r}")
     features = features or detect()
@@ -65,10 +75,10 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
             raise ValueError(f"cpu_linear={choice} applies to CPU weights")
         return "torch"
     if choice == "native" and not native_kernel_available(dtype):
-        raise ValueError("cpu_linear=native needs gcc and float32 weights on a CPU with AVX2 and FMA, "
-                         "or bfloat16 weights on a CPU with AVX512_BF16")
-    if choice == "onednn" and (dtype not in (torch.float32, torch.bfloat16) or not onednn_packing_available()):
-        raise ValueError("cpu_linear=onednn needs float32 or bfloat16 weights and a torch build with oneDNN")
+        raise ValueError("cpu_linear=native needs gcc and float32 or bfloat16 weights on a CPU with AVX2 and FMA")
+    if choice == "onednn" and not onednn_packing_available(dtype, features):
+        raise ValueError("cpu_linear=onednn needs float32 weights and a torch build with oneDNN, or bfloat16 "
+                         "weights on a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT")
     if choice != "auto":
         return choice
     if dtype == torch.float32:
@@ -77,11 +87,14 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
         if native_kernel_available(dtype):
             return "native"
         return "onednn" if onednn_packing_available() else "torch"
-    if dtype == torch.bfloat16 and features.native_bf16:
-        if features.isa == CpuIsa.AVX512_BF16 and native_kernel_available(dtype):
+    if dtype == torch.bfloat16:
+        kernel = cpu_native.linear_bf16_version()
+        if features.isa == CpuIsa.AVX512_BF16 and kernel == "avx512-bf16":
             return "native"
-        if onednn_packing_available():
-            return "onednn"
+        if features.native_bf16:
+            return "onednn" if onednn_packing_available(dtype, features) else "torch"
+        if kernel is not None:
+            return "native"
     return "torch"
 
 
@@ -144,8 +157,9 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
 
 
 class NativeBf16Linear(_NativeKernelLinear):
-    """bfloat16 through our AVX512_BF16 kernel (kernels/csrc/linear_bf16.c), ``W`` packed in
-    pairs (float32 sums over the whole row, rounded once, as oneDNN's bfloat16 matmul does)."""
+    """bfloat16 through our kernel (kernels/csrc/linear_bf16.c: AVX512_BF16 dot products, else
+    AVX2 widening), ``W`` packed in pairs (float32 sums over the whole row, rounded once, as
+    oneDNN's bfloat16 matmul does)."""
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
@@ -160,17 +174,31 @@ class NativeBf16Linear(_NativeKernelLinear):
 def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """Our C kernel for the weight's dtype (``cpu_linear=native``). The bfloat16 kernel reads
     inputs in pairs: a projection with an odd input size (none in the models we load) goes
-    to prepacked oneDNN instead."""
+    to prepacked oneDNN instead, or where oneDNN cannot pack bfloat16, to ``F.linear``."""
     if weight.dtype != torch.bfloat16:
         return NativeLinear(weight, bias)
-    return NativeBf16Linear(weight, bias) if weight.shape[1] % 2 == 0 else PackedLinear(weight, bias)
+    if weight.shape[1] % 2 == 0:
+        return NativeBf16Linear(weight, bias)
+    return PackedLinear(weight, bias) if onednn_packing_available(torch.bfloat16) else TorchLinear(weight, bias)
+
+
+class TorchLinear(nn.Module):
+    """``F.linear`` on the weight as it is: the reference path, as a module."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class Float32Logits(nn.Module):
     """The LM head of a bfloat16 model on CPU, giving float32 logits: bfloat16 logits (8
-    significant bits) tie and reorder the top tokens. Through our AVX512_BF16 kernel
-    (bfloat16 weights, exact products, float32 sums) where it builds; elsewhere through a
-    float32 copy of the weight (prepacked oneDNN or ``F.linear``), the same arithmetic."""
+    significant bits) tie and reorder the top tokens. Through our bfloat16 kernel (bfloat16
+    weights, exact products, float32 sums; AVX512_BF16 or AVX2) where it builds; elsewhere
+    through a float32 copy of the weight (prepacked oneDNN or ``F.linear``), the same arithmetic."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -193,7 +221,7 @@ class Float32Logits(nn.Module):
         return cpu_native.linear_bf16_f32(x, self.packed_weight, self.out_features)
 
     def extra_repr(self) -> str:
-        path = "bf16 kernel" if self.packed_weight is not None else "float32 copy"
+        path = f"bf16 kernel ({cpu_native.linear_bf16_version()})" if self.packed_weight is not None else "float32 copy"
         return f"in_features={self.in_features}, out_features={self.out_features}, {path}"
 
 

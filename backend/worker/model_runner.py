@@ -32,6 +32,7 @@ from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
 from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from backend.worker.step_buffers import StepBuffers
+from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,9 @@ class ModelRunner:
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.cpu_linear = resolve_cpu_linear(config.cpu_linear, self.dtype, self.device.type == "cpu")
         if self.device.type == "cpu":
-            logger.info("CPU %s, %s weights: linear layers %s", detect().describe(), str(self.dtype)[6:],
-                        self.cpu_linear)
+            bf16_kernel = self.cpu_linear == "native" and self.dtype == torch.bfloat16
+            logger.info("CPU %s, %s weights: linear layers %s%s", detect().describe(), str(self.dtype)[6:],
+                        self.cpu_linear, f" ({cpu_native.linear_bf16_version()} kernel)" if bf16_kernel else "")
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.cpu_fused_ops)
         if self.device.type == "cpu":

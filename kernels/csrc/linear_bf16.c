@@ -34,8 +34,11 @@
  * Accumulation is float32 over the whole k loop; a bfloat16 output is rounded once, to nearest
  * even. x is read in pairs, so k must be even (the caller checks; every hidden size in use is).
  *
- * Built where the compiler targets AVX512_BF16 (-march=native on such a CPU); elsewhere
- * linear_bf16_supported() returns 0 and the engine uses oneDNN or F.linear.
+ * Built where the compiler targets AVX512_BF16 (-march=native on such a CPU). Elsewhere, with AVX2
+ * and FMA, the same functions widen the packed bfloat16 to float32 in registers (below: the
+ * version for CPUs without bfloat16 arithmetic); without AVX2 linear_bf16_supported() returns 0
+ * and the engine uses oneDNN or F.linear. linear_bf16_isa() says which version was built (2, 1, 0).
+ * Each function returns 0, or -1 when its scratch memory could not be had (or nothing was built).
  */
 #include <stdint.h>
 #include <string.h>
@@ -50,6 +53,7 @@
 #include <immintrin.h>
 
 int linear_bf16_supported(void) { return 1; }
+int linear_bf16_isa(void) { return 2; }
 
 /* Rows [0, mr) of x times np panels from `panel` (panel_stride elements apart) into columns
  * [0, ncols) of y: float32 (yf) or bfloat16 (yb), row stride ldy; bias: float32 or NULL. */
@@ -133,29 +137,157 @@ static void linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const u
 }
 
 /* x: [m, k] bfloat16, row stride ldx, k even; packed as above; y: [m, n] float32 contiguous. */
-void linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                     float *y, int num_threads) {
+int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                    float *y, int num_threads) {
     linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads);
+    return 0;
 }
 
 /* The same with a bfloat16 y [m, n] contiguous, rounded once; bias: float32 [n] or NULL. */
-void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                 const float *bias, uint16_t *y, int num_threads) {
+int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                const float *bias, uint16_t *y, int num_threads) {
     linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
+    return 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Without AVX512_BF16 (AVX2 CPUs, AVX-512 ones without BF16): the same packed weight, widened to
+ * float32 in registers. A packed pair of k is one 32-bit lane per column, the even k in its low
+ * half: the lane shifted left by 16 is that bfloat16 as a float32, the lane with its low half
+ * cleared is the odd one (both exact). So a 256-bit load of a pair gives 8 columns of two k as
+ * float32 for 2 ALU operations, and the products are FMAs of float32 values that are exactly the
+ * operands' (the same products as the dot product's; sums in float32, another order). x is
+ * widened once per call into a float32 copy (rows x k, a small share of the matmul's work), so a
+ * row's pair is two broadcast loads. A tile is AVX2_MR rows x 16 columns: 2 * AVX2_MR accumulators,
+ * the two widened halves of a pair (4 registers) and a broadcast in the 16 ymm registers. The
+ * weight stays where it is read from DRAM once: half float32's bytes (docs/benchmarks.md, "bfloat16
+ * on AVX2"). Rows are taken AVX2_MC at a time, so a prefill's widened rows stay in L2 while the
+ * panels pass, and with more than one tile per panel the first one prefetches the next panel, as
+ * in linear_f32.c. */
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#ifndef AVX2_MR
+#define AVX2_MR 4    /* rows per tile (at most 6; -DAVX2_MR=... to measure another) */
+#endif
+#define AVX2_MC 48
+
+int linear_bf16_supported(void) { return 1; }
+int linear_bf16_isa(void) { return 1; }
+
+static inline __attribute__((always_inline)) void tile(const int mr, const int64_t pairs, const float *restrict x,
+                                                       const int64_t ldx, const uint16_t *restrict panel,
+                                                       const float *restrict bias, float *restrict yf,
+                                                       uint16_t *restrict yb, const int64_t ldy, const int64_t ncols,
+                                                       const uint16_t *prefetch) {
+    __m256 lo[6], hi[6];
+    _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
+        lo[r] = _mm256_setzero_ps();
+        hi[r] = _mm256_setzero_ps();
+    }
+    const __m256i odd_half = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        const uint16_t *at = panel + kk * 2 * NR;
+        if (prefetch != NULL) _mm_prefetch((const char *)(prefetch + kk * 2 * NR), _MM_HINT_T0);
+        const __m256i cols_lo = _mm256_loadu_si256((const __m256i *)at);
+        const __m256i cols_hi = _mm256_loadu_si256((const __m256i *)(at + NR));
+        const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(cols_lo, 16));
+        const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(cols_hi, 16));
+        const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(cols_lo, odd_half));
+        const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(cols_hi, odd_half));
+        /* Every row's even k, then every row's odd k: an accumulator's two FMAs of a pair are a
+         * row tile's worth of FMAs apart, which covers the FMA's latency. */
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * kk);
+            lo[r] = _mm256_fmadd_ps(xv, even_lo, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xv, even_hi, hi[r]);
+        }
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * kk + 1);
+            lo[r] = _mm256_fmadd_ps(xv, odd_lo, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xv, odd_hi, hi[r]);
+        }
+    }
+    float row[NR];
+    _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
+        _mm256_storeu_ps(row, lo[r]);
+        _mm256_storeu_ps(row + 8, hi[r]);
+        for (int64_t c = 0; c < ncols; ++c) {
+            const float out = row[c] + (bias ? bias[c] : 0.0f);
+            if (yb) yb[r * ldy + c] = f32_to_bf16(out);
+            else yf[r * ldy + c] = out;
+        }
+    }
+}
+
+static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                  const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR, pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
+    float *wide = malloc(sizeof(float) * (size_t)(m * pairs * 2));
+    if (wide == NULL) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < k; ++c) wide[r * pairs * 2 + c] = bf16_to_f32(x[r * ldx + c]);
+        for (int64_t m0 = 0; m0 < m; m0 += AVX2_MC) {
+            const int64_t mc = m - m0 < AVX2_MC ? m - m0 : AVX2_MC;
+            /* guided and nowait as in linear_f32.c (a preempted thread; disjoint rows). */
+#pragma omp for schedule(guided) nowait
+            for (int64_t p = 0; p < panels; ++p) {
+                const uint16_t *panel = packed + p * panel_stride;
+                const uint16_t *next = mc > AVX2_MR && p + 1 < panels ? panel + panel_stride : NULL;
+                const int64_t column = p * NR, ncols = n - column < NR ? n - column : NR;
+                for (int64_t r0 = 0; r0 < mc; r0 += AVX2_MR) {
+                    const float *xr = wide + (m0 + r0) * pairs * 2;
+                    const int64_t at = (m0 + r0) * n + column;
+                    const float *b = bias ? bias + column : NULL;
+                    float *yfr = yf ? yf + at : NULL;
+                    uint16_t *ybr = yb ? yb + at : NULL;
+                    const uint16_t *pf = r0 == 0 ? next : NULL;
+                    switch (mc - r0 < AVX2_MR ? mc - r0 : AVX2_MR) {
+                        case 6: tile(6, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
+                        case 5: tile(5, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
+                        case 4: tile(4, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
+                        case 3: tile(3, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
+                        case 2: tile(2, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
+                        default: tile(1, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
+                    }
+                }
+            }
+        }
+    }
+    free(wide);
+    return 0;
+}
+
+int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                    float *y, int num_threads) {
+    return linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads);
+}
+
+int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                const float *bias, uint16_t *y, int num_threads) {
+    return linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
 }
 
 #else
 
 int linear_bf16_supported(void) { return 0; }
+int linear_bf16_isa(void) { return 0; }
 
-void linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                     float *y, int num_threads) {
+int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                    float *y, int num_threads) {
     (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)y, (void)num_threads;
+    return -1;
 }
 
-void linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                 const float *bias, uint16_t *y, int num_threads) {
+int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                const float *bias, uint16_t *y, int num_threads) {
     (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)bias, (void)y, (void)num_threads;
+    return -1;
 }
 
 #endif

@@ -78,8 +78,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
 }
 
 /* x: [m, k] with row stride ldx; packed: [ceil(n / NR)][k][NR]; bias: [n] or NULL;
- * y: [m, n] contiguous. */
-void linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+ * y: [m, n] contiguous. Returns 0 (the status the bfloat16 kernels share). */
+int linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                 const float *bias, float *y, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel num_threads(num_threads)
@@ -114,15 +114,17 @@ void linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *
             }
         }
     }
+    return 0;
 }
 
 #else
 
 int linear_f32_supported(void) { return 0; }
 
-void linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
-                const float *bias, float *y, int num_threads) {
+int linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+               const float *bias, float *y, int num_threads) {
     (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)bias, (void)y, (void)num_threads;
+    return -1;
 }
 
 #endif
