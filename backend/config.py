@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512          # token budget per step (prefill chunks + decodes)
     itl_target_ms: float = 150.0               # prefill chunks sized so each step's predicted time stays
                                                # under this (backend/core/step_cost.py); 0 = fixed token budget
+    itl_target_decode_multiple: float = 4.0    # ... but at least this many times the step's decodes' own
+                                               # predicted time, so prefill keeps ~3/4 of a step on a CPU
+                                               # where decodes take half the target; 0 = itl_target_ms alone
     min_prefill_chunk_tokens: int = 32         # an unfinished prefill advances at least this much per step
     long_prefill_token_threshold: int = 0      # prompts longer than this are "long" (after shorter ones in a
                                                # step); 0 = what one step can prefill: the token budget, or
@@ -52,7 +55,7 @@ class EngineConfig:
                                                # this process may run on (os.sched_getaffinity)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only int8 decoder projections (CPU opt-in)
     cpu_linear: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU linear layers: our C kernel
-                                               # (float32: AVX2 + FMA; bfloat16: AVX512_BF16),
+                                               # (float32: AVX2 + FMA; bfloat16: AVX512_BF16 or AVX2 + FMA),
                                                # prepacked oneDNN (float32, bfloat16) or plain
                                                # F.linear; auto: by CPU features and dtype, the measured
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear
@@ -119,6 +122,7 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               "max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
         check(self.itl_target_ms >= 0, "itl_target_ms must be >= 0 (0 = fixed token budget)")
+        check(self.itl_target_decode_multiple >= 0, "itl_target_decode_multiple must be >= 0 (0 = itl_target_ms alone)")
         check(self.min_prefill_chunk_tokens >= 1, "min_prefill_chunk_tokens must be >= 1")
         check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         check(self.max_loras >= 1, "max_loras must be >= 1")

@@ -48,6 +48,29 @@ def test_chunk_is_the_largest_that_fits_the_target() -> None:
         finish_step(s, out)
 
 
+@pytest.mark.parametrize("multiple, chunk", [(0.0, 29), (4.0, 211)])
+def test_on_a_slow_machine_the_target_is_a_multiple_of_the_decodes(multiple: float, chunk: int) -> None:
+    # Decodes alone take 70.5 ms (60.5 ms + 10 decodes x 1 ms) of the 100 ms target: by the
+    # target alone, prefill would get 29 tokens a step. At least 4x the decodes' time (282 ms),
+    # it gets 211.
+    s = scheduler(clock(step_ms=60.5), itl_target_decode_multiple=multiple)
+    decodes = decoding(s, 10)
+    long = make_request(1000)
+    s.add_request(long)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {**{d.request_id: 1 for d in decodes}, long.request_id: chunk}
+    assert out.predicted_seconds <= max(0.100, multiple * 0.0705) + 1e-9
+
+
+def test_the_decode_multiple_does_not_lift_the_target_on_a_fast_machine() -> None:
+    # Decodes alone 14 ms: 4x is 56 ms, under the 100 ms target, which stays the ceiling.
+    s = scheduler(clock(), itl_target_decode_multiple=4.0)
+    decoding(s, 4)
+    long = make_request(500)
+    s.add_request(long)
+    assert s.schedule().predicted_seconds == pytest.approx(0.100)
+
+
 def test_chunks_shrink_as_attention_deepens_and_every_step_fits() -> None:
     s = scheduler(clock(step_ms=10, token_ms=0.2, pair_us=0.5))
     decoding(s, 4)
@@ -75,7 +98,8 @@ def test_without_a_target_the_token_budget_decides() -> None:
 
 
 def test_prefill_advances_by_the_minimum_when_decodes_alone_miss_the_target() -> None:
-    s = scheduler(clock(step_ms=150), long_prefill_token_threshold=64)   # every step is over the target
+    # Every step is over the target (no lifting it by the decodes' time: that is the case here).
+    s = scheduler(clock(step_ms=150), long_prefill_token_threshold=64, itl_target_decode_multiple=0.0)
     decodes = decoding(s, 2)
     long = make_request(200)
     s.add_request(long)
@@ -209,7 +233,8 @@ def test_a_prefill_preempted_for_an_earlier_one_in_the_step_is_skipped() -> None
     # low-priority one, which comes later in the step's order: it must be skipped, not given
     # blocks while it waits.
     # (Both count as short: over the target, a step has no room and every prompt would be long.)
-    s = scheduler(clock(step_ms=150), scheduling_policy="priority", num_blocks=13, long_prefill_token_threshold=64)
+    s = scheduler(clock(step_ms=150), scheduling_policy="priority", num_blocks=13, long_prefill_token_threshold=64,
+                  itl_target_decode_multiple=0.0)
     [stream] = decoding(s, 1)
     low = make_request(40, priority=10)
     s.add_request(low)

@@ -12,7 +12,8 @@ Each step, under a token budget (``max_num_batched_tokens``) and a sequence cap
    ``max_long_partial_prefills`` of them long (vLLM's names and meanings), so short prompts
    pass a long one instead of waiting for its whole prefill;
 3. with ``itl_target_ms`` > 0 and streams decoding, each chunk is the largest that keeps the
-   step's predicted time (backend/core/step_cost.py) under the target, so a long prompt no
+   step's predicted time (backend/core/step_cost.py) under the target (itl_target_ms, or
+   ``itl_target_decode_multiple`` times the decodes' own time where that is more), so a long prompt no
    longer freezes the streams decoding beside it (a step without decodes has no inter-token
    latency to protect and uses the whole budget); an unfinished prefill still advances by at least
    ``min_prefill_chunk_tokens`` every step (it is never starved), as does the first
@@ -120,12 +121,20 @@ class Scheduler:
                                        config.num_speculative_tokens)
                          if config.speculative_method == "ngram" else None)
 
-    @property
-    def step_target_seconds(self) -> float | None:
-        """The predicted-time ceiling prefill chunks are sized to, or None (fixed token budget)."""
-        if self.config.itl_target_ms > 0 and self.cost_model is not None:
-            return self.config.itl_target_ms / 1e3
-        return None
+    def _step_target(self, out: SchedulerOutput) -> float | None:
+        """The predicted-time ceiling this step's prefill chunks and drafts are sized to, given
+        its decodes (``out``), or None (fixed token budget). ``itl_target_ms``, but at least
+        ``itl_target_decode_multiple`` times the decodes' own predicted time: on a CPU where
+        16 decodes take half of 150 ms, a 150 ms ceiling left prefill ~40 tokens a step, less
+        than the prompts arriving needed, so prompts queued (TTFT p50 1.6x, and every prompt
+        over ~40 tokens counted as long; docs/benchmarks.md, "The AVX2-only check")."""
+        config = self.config
+        if config.itl_target_ms <= 0 or self.cost_model is None:
+            return None
+        target = config.itl_target_ms / 1e3
+        if config.itl_target_decode_multiple > 0 and out.num_scheduled_tokens:
+            target = max(target, config.itl_target_decode_multiple * self.cost_model.predict(out.features))
+        return target
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -168,13 +177,13 @@ class Scheduler:
         admit = not out.preempted and self.config.batching == "continuous"
         # The ITL target protects streams that are generating: a step without a decode has no
         # inter-token latency to keep, and its prefill takes the whole token budget.
-        target = self.step_target_seconds if out.num_scheduled_tokens else None
-        self._schedule_prefills(out, partial_prefills, admit, target)
+        target = self._step_target(out)
+        self._schedule_prefills(out, partial_prefills, admit, target if out.num_scheduled_tokens else None)
         budget = self.config.max_num_batched_tokens - out.total_num_tokens
 
         # 3. Drafts, from what is left.
         if self.proposer is not None and len(self.running) <= self.config.speculative_max_batch_size:
-            self._schedule_drafts(out, budget)
+            self._schedule_drafts(out, budget, target)
 
         out.requests = [r for r in self.running if r.request_id in out.num_scheduled_tokens]
         if self.cost_model is not None:
@@ -382,12 +391,11 @@ class Scheduler:
                     continue
             yield request
 
-    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int, target: float | None) -> None:
         """Give decoding requests their n-gram drafts as extra tokens of this step. A draft
         never goes past the request's max_tokens (the last token is the bonus one), gets no
-        block that is not free now, and does not push the step past the ITL target."""
+        block that is not free now, and does not push the step past ``target`` (seconds)."""
         assert self.proposer is not None
-        target = self.step_target_seconds
         for request in self.running:
             if budget <= 0:
                 return

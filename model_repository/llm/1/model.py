@@ -110,7 +110,8 @@ class TritonPythonModel:
         print(f"llm: weights and KV cache in {self.engine.runner.dtype_choice}", file=sys.stderr, flush=True)
         print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
         if self.engine.cost_model is not None:
-            print(f"llm: prefill chunks sized to itl_target_ms={config.itl_target_ms:g} by the step cost model "
+            print(f"llm: prefill chunks sized to itl_target_ms={config.itl_target_ms:g} (at least "
+                  f"{config.itl_target_decode_multiple:g}x the decodes' own time) by the step cost model "
                   f"({self.engine.cost_model.describe()})", file=sys.stderr, flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
         self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
