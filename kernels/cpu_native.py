@@ -102,9 +102,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, name).argtypes = []
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
-    for name in ("linear_bf16_supported", "linear_bf16_isa"):
-        getattr(library, name).restype = ctypes.c_int
-        getattr(library, name).argtypes = []
+    library.linear_bf16_isa.restype = ctypes.c_int
+    library.linear_bf16_isa.argtypes = []
     library.linear_bf16_f32.restype = ctypes.c_int
     library.linear_bf16_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, ctypes.c_int]
     library.linear_bf16.restype = ctypes.c_int

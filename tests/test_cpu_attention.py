@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import platform
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernels
+from backend.model.cpu_features import detect
 from kernels import cpu_native
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 from tests.paged_batches import SCENARIOS, SHAPES, TOLERANCES, PagedBatch, make_batch, scenario_specs, shape_id
@@ -259,12 +259,6 @@ def test_which_dtypes_take_the_c_kernel(dtype: torch.dtype, decode_path: str, mo
 
 # ---- each compiled version of the bfloat16 q.k product, called directly -------------------
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
 
 # version -> (flags the library is built with, floats per vector it must report, whether its
 # bfloat16 decode takes the AVX512_BF16 dot-product path, CPU flags needed). Every build starts
@@ -288,7 +282,7 @@ def kernel_version(request):
             pytest.skip(f"NOT RUN: the {request.param} version of the bfloat16 decode kernel needs an x86 CPU, "
                         f"this is {platform.machine()}")
         extra_flags = ()
-    missing = needed - cpu_flags()
+    missing = needed - detect().flags
     if missing:
         pytest.skip(f"NOT RUN: the {request.param} version of the bfloat16 decode kernel needs CPU features "
                     f"{sorted(missing)}, which this CPU lacks")
@@ -308,7 +302,7 @@ c_kernel_only = pytest.mark.parametrize("decode_path", ["c-kernel"], indirect=Tr
 @c_kernel_only
 def test_the_engine_build_uses_the_widest_version_the_cpu_has() -> None:
     library = cpu_native.load()
-    flags = cpu_flags()
+    flags = detect().flags
     expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 1
     assert library.decode_attention_bf16_vector_width() == expected
     assert library.decode_attention_bf16_dot_product() == ({"avx512f", "avx512_bf16"} <= flags)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from backend.model.cpu_linear import (Float32Logits, NativeBf16Linear, PackedLinear, TorchLinear, native_linear,
                                       onednn_packing_available, pack_pairs)
+from backend.model.cpu_features import detect
 from kernels import cpu_native
 
 # version -> (flags added to the engine's build, CPU flags it needs). Every build starts from
@@ -27,19 +27,13 @@ KERNEL_VERSIONS = {
 }
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
 
 @pytest.fixture(scope="module", params=list(KERNEL_VERSIONS))
 def bf16_library(request) -> ctypes.CDLL:
     """A build of the kernels holding one version of the bfloat16 linear kernel; skipped, naming
     the missing CPU features, only when this CPU cannot run that version."""
     extra_flags, needed = KERNEL_VERSIONS[request.param]
-    missing = needed - cpu_flags() if platform.machine() in ("x86_64", "AMD64") else {"an x86 CPU"}
+    missing = needed - detect().flags if platform.machine() in ("x86_64", "AMD64") else {"an x86 CPU"}
     if missing:
         pytest.skip(f"NOT RUN: the {request.param} version of the bfloat16 linear kernel needs {sorted(missing)}, "
                     f"which this CPU lacks")

@@ -36,8 +36,8 @@
  *
  * Built where the compiler targets AVX512_BF16 (-march=native on such a CPU). Elsewhere, with AVX2
  * and FMA, the same functions widen the packed bfloat16 to float32 in registers (below: the
- * version for CPUs without bfloat16 arithmetic); without AVX2 linear_bf16_supported() returns 0
- * and the engine uses oneDNN or F.linear. linear_bf16_isa() says which version was built (2, 1, 0).
+ * version for CPUs without bfloat16 arithmetic). linear_bf16_isa() says which version was built:
+ * 2, 1, or 0 without AVX2, where the engine uses oneDNN or F.linear.
  * Each function returns 0, or -1 when its scratch memory could not be had (or nothing was built).
  */
 #include <stdint.h>
@@ -52,7 +52,6 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-int linear_bf16_supported(void) { return 1; }
 int linear_bf16_isa(void) { return 2; }
 
 /* Rows [0, mr) of x times np panels from `panel` (panel_stride elements apart) into columns
@@ -174,7 +173,6 @@ int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint
 #endif
 #define AVX2_MC 48
 
-int linear_bf16_supported(void) { return 1; }
 int linear_bf16_isa(void) { return 1; }
 
 static inline __attribute__((always_inline)) void tile(const int mr, const int64_t pairs, const float *restrict x,
@@ -275,7 +273,6 @@ int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint
 
 #else
 
-int linear_bf16_supported(void) { return 0; }
 int linear_bf16_isa(void) { return 0; }
 
 int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
