@@ -33,6 +33,8 @@ class EngineConfig:
     itl_target_decode_multiple: float = 4.0    # ... but at least this many times the step's decodes' own
                                                # predicted time, so prefill keeps ~3/4 of a step on a CPU
                                                # where decodes take half the target; 0 = itl_target_ms alone
+    calibration_cache: bool = True             # reuse the step cost calibration an earlier start timed on this
+                                               # machine, model and code (backend/worker/timing_cache.py)
     min_prefill_chunk_tokens: int = 32         # an unfinished prefill advances at least this much per step
     long_prefill_token_threshold: int = 0      # prompts longer than this are "long" (after shorter ones in a
                                                # step); 0 = what one step can prefill: the token budget, or

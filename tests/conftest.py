@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,13 @@ import torch
 # module is imported, so it must be set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One step-cost calibration cache for the session (backend/worker/timing_cache.py), shared by
+# the in-process engines and the servers the tests start (they inherit the environment):
+# each machine/config is timed once per run, never read from an earlier run.
+_STEP_COST_CACHE = tempfile.mkdtemp(prefix="llm-step-cost-")
+os.environ["LLM_STEP_COST_CACHE"] = _STEP_COST_CACHE
+atexit.register(shutil.rmtree, _STEP_COST_CACHE, True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

@@ -53,16 +53,23 @@ def assert_same_tokens(ours: list[list[int]], reference: list[list[int]]) -> Non
         assert a == b, f"prompt {i}: engine {a} != transformers {b}"
 
 
+# A fixed token budget (itl_target_ms=0) where the point is the budget, the blocks or the
+# policy: the same steps on every machine, and no start-up calibration per config. "block16"
+# keeps the default, chunks sized to the ITL target by the calibrated step cost model; the
+# ITL_CONFIGS below size them by a fixed clock.
+FIXED_BUDGET = dict(itl_target_ms=0.0)
 CONFIGS = {
     "block16": dict(block_size=16, num_kv_blocks=512),
-    "block4": dict(block_size=4, num_kv_blocks=2048),
+    "block4": dict(block_size=4, num_kv_blocks=2048, **FIXED_BUDGET),
     # 430-token prompts against a 48-token budget: every long prompt is prefilled in chunks,
     # interleaved with other requests' decodes.
-    "chunked_small_budget": dict(block_size=16, num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=8),
+    "chunked_small_budget": dict(block_size=16, num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=8,
+                                 **FIXED_BUDGET),
     "no_chunking": dict(block_size=16, num_kv_blocks=512, enable_chunked_prefill=False,
-                        max_num_batched_tokens=1024, max_model_len=1024),
-    "priority_few_seqs": dict(block_size=16, num_kv_blocks=512, scheduling_policy="priority", max_num_seqs=3),
-    "static": dict(block_size=16, num_kv_blocks=512, batching="static", max_num_seqs=5),
+                        max_num_batched_tokens=1024, max_model_len=1024, **FIXED_BUDGET),
+    "priority_few_seqs": dict(block_size=16, num_kv_blocks=512, scheduling_policy="priority", max_num_seqs=3,
+                              **FIXED_BUDGET),
+    "static": dict(block_size=16, num_kv_blocks=512, batching="static", max_num_seqs=5, **FIXED_BUDGET),
 }
 # Speculative decoding (n-gram drafts, verified in the same step) must not change a token. The
 # prose prompts repeat themselves, so drafts are proposed and accepted; the batch limit is
@@ -89,7 +96,7 @@ def test_preemption_keeps_tokens_exact(spec: dict, model_dir: Path, mixed_prompt
     # 40 blocks of 16 tokens cannot hold all 12 requests (~1400 prompt tokens): the engine must
     # preempt, recompute, and still produce the very same tokens.
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=40,
-                                           enable_prefix_caching=False, **spec), mixed_prompts)
+                                           enable_prefix_caching=False, **FIXED_BUDGET, **spec), mixed_prompts)
     assert engine.stats().num_preemptions > 0
     assert_same_tokens(ours, hf_mixed)
     assert_speculated(engine, spec)
@@ -98,7 +105,7 @@ def test_preemption_keeps_tokens_exact(spec: dict, model_dir: Path, mixed_prompt
 @pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
 def test_preemption_with_prefix_caching(spec: dict, model_dir: Path, mixed_prompts, hf_mixed) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=40,
-                                           max_num_batched_tokens=64, **spec), mixed_prompts)
+                                           max_num_batched_tokens=64, **FIXED_BUDGET, **spec), mixed_prompts)
     assert engine.stats().num_preemptions > 0
     assert_same_tokens(ours, hf_mixed)
     assert_speculated(engine, spec)
@@ -122,7 +129,8 @@ def test_shared_prefix_hits_cache(spec: dict, model_dir: Path, shared_prefix_pro
 
 def test_shared_prefix_chunked_and_small_blocks(model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=1024,
-                                           max_num_batched_tokens=40, max_num_seqs=6), shared_prefix_prompts)
+                                           max_num_batched_tokens=40, max_num_seqs=6, **FIXED_BUDGET),
+                              shared_prefix_prompts)
     assert engine.stats().prefix_cache_hit_tokens > 0
     assert_same_tokens(ours, hf_shared)
 
@@ -130,7 +138,7 @@ def test_shared_prefix_chunked_and_small_blocks(model_dir: Path, shared_prefix_p
 def test_requests_joining_mid_flight(model_dir: Path, mixed_prompts, hf_mixed) -> None:
     """Requests arriving while others decode (true continuous batching) still match."""
     engine = Engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512,
-                                 max_num_batched_tokens=128))
+                                 max_num_batched_tokens=128, **FIXED_BUDGET))
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
     results: dict[str, list[int]] = {}
     pending = list(enumerate(mixed_prompts))

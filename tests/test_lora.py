@@ -188,7 +188,8 @@ def test_triton_kernels_and_decode_graphs_match_peft(tiny_llama_with_adapters) -
         return original_run(num_seqs)
 
     runner.decode_graphs.run = counting_run
-    assert run_mixed(engine, requests) == expected
+    # 6 tokens, a prefix of peft's 16 (greedy): the interpreter takes ~3 s a decode step here.
+    assert run_mixed(engine, requests, max_new_tokens=6) == [tokens[:6] for tokens in expected]
     assert graph_steps > 0, "no decode step went through the graph runner"
 
 

@@ -32,6 +32,7 @@ from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
 from backend.worker.model_runner import ModelRunner
 from backend.worker.step_calibration import CalibrationRow, calibrate, calibration_shapes
+from backend.worker.timing_cache import TimingCache
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +132,9 @@ class Engine:
         self.sampler = Sampler(config.seed)
         # The scheduler's clock when prefill chunks are sized to an ITL target.
         self.cost_model = cost_model
+        self.cost_model_origin = "handed in" if cost_model is not None else ""   # for the start-up log
         if self.cost_model is None and config.itl_target_ms > 0:
-            self.cost_model = self._calibrate_step_cost()
+            self.cost_model, self.cost_model_origin = self._calibrate_step_cost()
         self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed,
                                    cost_model=self.cost_model)
         # LoRA adapters by name (multi_lora.json in the model folder), resolved at validation.
@@ -279,10 +281,12 @@ class Engine:
         self.last_step = StepRecord(measured, sched.predicted_seconds, error, rows)
         return outputs
 
-    def _calibrate_step_cost(self) -> StepCostModel:
+    def _calibrate_step_cost(self) -> tuple[StepCostModel, str]:
         """Fit the step cost model from synthetic steps timed now (backend/worker/
         step_calibration.py): throwaway greedy requests whose K/V go to the first blocks of the
-        cache, which nothing uses yet (nor is any of them in the prefix cache)."""
+        cache, which nothing uses yet (nor is any of them in the prefix cache). Unless an
+        earlier start timed the same steps on this machine, model and code: then its samples
+        (backend/worker/timing_cache.py). Returns the model and where its samples came from."""
         block_size = self.config.block_size
         max_context = min(self.max_model_len, self.runner.num_blocks * block_size)
         shapes = calibration_shapes(self.config.max_num_batched_tokens, self.config.max_num_seqs, max_context)
@@ -305,10 +309,18 @@ class Engine:
             self.runner.synchronize()
 
         started = time.perf_counter()
-        model = StepCostModel.fitted(calibrate(run_step, shapes))
-        logger.info("step cost model from %d calibration steps in %.1f s: %s", len(shapes),
+        cache = TimingCache() if self.config.calibration_cache else None
+        key = {"runner": self.runner.timing_signature(), "shapes": [[asdict(row) for row in shape] for shape in shapes]}
+        samples = cache.load(key) if cache is not None else None
+        source = "read from the calibration cache"
+        if samples is None:
+            samples, source = calibrate(run_step, shapes), "timed now"
+            if cache is not None:
+                cache.store(key, samples)
+        model = StepCostModel.fitted(samples)
+        logger.info("step cost model from %d calibration steps, %s, in %.1f s: %s", len(shapes), source,
                     time.perf_counter() - started, model.describe())
-        return model
+        return model, source
 
     def _count_speculation(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """The counter and blocks of a request that verified drafts: only accepted ones count."""

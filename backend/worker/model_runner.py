@@ -11,6 +11,7 @@ preallocated device buffers once per step; nothing loops over tokens or layers i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -31,6 +32,7 @@ from backend.model.cpu_linear import resolve_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
 from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.worker import timing_cache
 from backend.worker.step_buffers import StepBuffers
 from kernels import cpu_native
 
@@ -149,12 +151,37 @@ class ModelRunner:
         logger.info("LoRA: %d adapter slots, %s backend", self.config.max_loras, backend.value)
         return self.lora_slots
 
+    def timing_signature(self) -> dict[str, object]:
+        """What decides how long a step takes here, beside the step's shape: the key of the
+        calibration cache (backend/worker/timing_cache.py) with the calibration shapes."""
+        on_cuda = self.device.type == "cuda"
+        return {
+            "machine": torch.cuda.get_device_name(self.device) if on_cuda else timing_cache.cpu_identity(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "source": timing_cache.source_digest(),
+            "model_config": hashlib.sha256((Path(self.config.model) / "config.json").read_bytes()).hexdigest(),
+            "dtype": str(self.dtype),
+            "attention_backend": self.attention_backend,
+            "cpu_linear": self.cpu_linear,
+            "fused_cpu_ops": bool(getattr(self.model, "fused_cpu_ops", False)),
+            "quantization": self.config.quantization,
+            "decode_graphs": self.decode_graphs is not None,
+            "lora_slots": None if self.lora_slots is None else [self.config.max_loras, self.config.max_lora_rank],
+            "block_size": self.block_size,
+            "max_tokens": self.max_tokens,
+            "max_seqs": self.max_seqs,
+        }
+
     # ---- memory ------------------------------------------------------------------------------
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(key, value) per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        """(key, value) per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        Left uninitialised: every kernel reads only the slots of a sequence's own tokens, which
+        are written first (the kernel tests fill every other slot with NaN). Zeroing the default
+        1 GiB CPU cache took 2.7 s of a 2-core AVX2 CPU's start-up."""
         shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
+        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
 
     @property
     def bytes_per_block(self) -> int:

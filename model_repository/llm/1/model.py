@@ -112,7 +112,8 @@ class TritonPythonModel:
         if self.engine.cost_model is not None:
             print(f"llm: prefill chunks sized to itl_target_ms={config.itl_target_ms:g} (at least "
                   f"{config.itl_target_decode_multiple:g}x the decodes' own time) by the step cost model "
-                  f"({self.engine.cost_model.describe()})", file=sys.stderr, flush=True)
+                  f"({self.engine.cost_model.describe()}; calibration {self.engine.cost_model_origin})", file=sys.stderr,
+                  flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
         self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
         # The launcher's supervisor restarts the server when the stub dies and says how often.
