@@ -8,20 +8,30 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# pytest-xdist workers (`make test` runs the tests that start no server on one worker per core):
+# each is pinned to a core of its own before torch starts its threads, so that its engines and
+# torch run one thread and the workers do not take cores from each other.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cores[int(_WORKER.removeprefix("gw")) % len(_cores)]})
+
+import pytest  # noqa: E402 - after the pinning
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter; the flag is read when a kernel
 # module is imported, so it must be set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# One step-cost calibration cache for the session (backend/worker/timing_cache.py), shared by
-# the in-process engines and the servers the tests start (they inherit the environment):
-# each machine/config is timed once per run, never read from an earlier run.
-_STEP_COST_CACHE = tempfile.mkdtemp(prefix="llm-step-cost-")
-os.environ["LLM_STEP_COST_CACHE"] = _STEP_COST_CACHE
-atexit.register(shutil.rmtree, _STEP_COST_CACHE, True)
+# One step-cost calibration cache for the run (backend/worker/timing_cache.py), made by the
+# first pytest process (xdist's controller, or the only one) and shared by its workers, the
+# in-process engines and the servers the tests start (they inherit the environment): each
+# machine/config is timed once per run, never read from an earlier run.
+if "LLM_TEST_STEP_COST_CACHE" not in os.environ:
+    os.environ["LLM_TEST_STEP_COST_CACHE"] = tempfile.mkdtemp(prefix="llm-step-cost-")
+    atexit.register(shutil.rmtree, os.environ["LLM_TEST_STEP_COST_CACHE"], True)
+os.environ["LLM_STEP_COST_CACHE"] = os.environ["LLM_TEST_STEP_COST_CACHE"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

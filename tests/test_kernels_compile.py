@@ -21,79 +21,106 @@ LAYOUTS = [(32, 8, 128), (9, 3, 64), (8, 8, 64), (8, 2, 8)]  # (query heads, KV 
 SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 
-def compile_all() -> list[str]:
+def _signature(launch) -> dict[str, str]:
     import torch
+
+    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  torch.int32: "i32", torch.int64: "i64"}
+    names = launch.kernel.arg_names
+    sig = {}
+    for name, arg in zip(names, launch.args):
+        if isinstance(arg, torch.Tensor):
+            sig[name] = "*" + type_names[arg.dtype]
+        elif isinstance(arg, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    sig.update({name: "constexpr" for name in launch.constexprs})
+    return sig
+
+
+def _compile(launch, targets, what: str) -> list[str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import KernelLaunch, attention_launches, cache_write_launch, plan_launch
+    done = []
+    for capability, warp_size in targets:
+        compiled = triton.compile(ASTSource(launch.kernel, _signature(launch), launch.constexprs),
+                                  target=GPUTarget("cuda", capability, warp_size), options=dict(launch.options))
+        label = f"{launch.kernel.__name__} sm_{capability} {what}: {compiled.metadata.shared} B shared"
+        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
+        done.append(label)
+    return done
 
-    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                  torch.int32: "i32", torch.int64: "i64"}
 
-    def signature(launch: KernelLaunch) -> dict[str, str]:
-        names = launch.kernel.arg_names
-        sig = {}
-        for name, arg in zip(names, launch.args):
-            if isinstance(arg, torch.Tensor):
-                sig[name] = "*" + type_names[arg.dtype]
-            elif isinstance(arg, float):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "i32"
-        sig.update({name: "constexpr" for name in launch.constexprs})
-        return sig
+def compile_attention(dtype_name: str) -> list[str]:
+    """Every attention and cache-write launch of one dtype, over the layouts and batch kinds."""
+    import torch
 
+    from kernels.triton_attention import attention_launches, cache_write_launch, plan_launch
+
+    dtype = getattr(torch, dtype_name)
+    # Ampere for bfloat16 only: the dtype we serve; Hopper for everything.
+    targets = TARGETS if dtype == torch.bfloat16 else TARGETS[:1]
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype_name]
     meta = torch.device("meta")
     done = []
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for num_heads, num_kv_heads, head_dim in LAYOUTS:
-            key_cache = torch.empty(100, 16, num_kv_heads, head_dim, dtype=dtype, device=meta)
-            tables = torch.empty(8, 64, dtype=torch.int32, device=meta)
-            for name, num_tokens, num_seqs, max_query, max_seq in (("decode-split", 2, 2, 1, 8192),
-                                                                   ("decode", 256, 256, 1, 2048),
-                                                                   ("mixed", 600, 8, 512, 2048)):
-                plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query, max_seq, num_sms=132)
-                query = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=meta)
-                launches = attention_launches(query, key_cache, key_cache, torch.empty(num_seqs + 1, dtype=torch.int32,
-                                              device=meta), torch.empty(num_seqs, dtype=torch.int32, device=meta),
-                                              tables, head_dim ** -0.5, plan, torch.empty_like(query))
-                kv = torch.empty(num_tokens, 3 * num_kv_heads * head_dim, dtype=dtype, device=meta)
-                kv = kv[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-                launches.append(cache_write_launch(kv, kv, key_cache, key_cache,
-                                                   torch.empty(num_tokens, dtype=torch.int64, device=meta)))
-                for launch in launches:
-                    # Ampere for bfloat16 only: the dtype we serve; Hopper for everything.
-                    for capability, warp_size in TARGETS if dtype == torch.bfloat16 else TARGETS[:1]:
-                        source = ASTSource(launch.kernel, signature(launch), launch.constexprs)
-                        compiled = triton.compile(source, target=GPUTarget("cuda", capability, warp_size),
-                                                  options=dict(launch.options))
-                        label = (f"{launch.kernel.__name__} sm_{capability} {type_names[dtype]} "
-                                 f"h{num_heads}/kv{num_kv_heads} d{head_dim} {name}: {compiled.metadata.shared} B shared")
-                        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
-                        done.append(label)
-    # LoRA's shrink/expand: SmolLM2's qkv (rank 64 x 3 parts) and a 4096 -> 14336 MLP projection.
-    from kernels.triton_lora import expand_launch, shrink_launch
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for num_tokens, in_features, out_features, max_rank in ((64, 576, 960, 192), (512, 4096, 28672, 128)):
-            x = torch.empty(num_tokens, in_features, dtype=dtype, device=meta)
-            y = torch.empty(num_tokens, max_rank, dtype=torch.float32, device=meta)
-            slot_ids = torch.empty(num_tokens, dtype=torch.int32, device=meta)
-            slot_ranks = torch.empty(4, dtype=torch.int32, device=meta)
-            launches = [shrink_launch(x, torch.empty(4, max_rank, in_features, dtype=dtype, device=meta), slot_ids,
-                                      slot_ranks, y),
-                        expand_launch(y, torch.empty(4, max_rank, out_features, dtype=dtype, device=meta), slot_ids,
-                                      slot_ranks, torch.empty(num_tokens, out_features, dtype=dtype, device=meta))]
+    for num_heads, num_kv_heads, head_dim in LAYOUTS:
+        key_cache = torch.empty(100, 16, num_kv_heads, head_dim, dtype=dtype, device=meta)
+        tables = torch.empty(8, 64, dtype=torch.int32, device=meta)
+        for name, num_tokens, num_seqs, max_query, max_seq in (("decode-split", 2, 2, 1, 8192),
+                                                               ("decode", 256, 256, 1, 2048),
+                                                               ("mixed", 600, 8, 512, 2048)):
+            plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query, max_seq, num_sms=132)
+            query = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=meta)
+            launches = attention_launches(query, key_cache, key_cache, torch.empty(num_seqs + 1, dtype=torch.int32,
+                                          device=meta), torch.empty(num_seqs, dtype=torch.int32, device=meta),
+                                          tables, head_dim ** -0.5, plan, torch.empty_like(query))
+            kv = torch.empty(num_tokens, 3 * num_kv_heads * head_dim, dtype=dtype, device=meta)
+            kv = kv[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+            launches.append(cache_write_launch(kv, kv, key_cache, key_cache,
+                                               torch.empty(num_tokens, dtype=torch.int64, device=meta)))
             for launch in launches:
-                for capability, warp_size in TARGETS if dtype == torch.bfloat16 else TARGETS[:1]:
-                    compiled = triton.compile(ASTSource(launch.kernel, signature(launch), launch.constexprs),
-                                              target=GPUTarget("cuda", capability, warp_size))
-                    label = (f"{launch.kernel.__name__} sm_{capability} {type_names[dtype]} "
-                             f"{in_features}->{out_features} r{max_rank}: {compiled.metadata.shared} B shared")
-                    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
-                    done.append(label)
+                done += _compile(launch, targets, f"{short} h{num_heads}/kv{num_kv_heads} d{head_dim} {name}")
     return done
+
+
+def compile_lora(dtype_name: str) -> list[str]:
+    """LoRA's shrink/expand: SmolLM2's qkv (rank 64 x 3 parts) and a 4096 -> 14336 MLP projection."""
+    import torch
+
+    from kernels.triton_lora import expand_launch, shrink_launch
+
+    dtype = getattr(torch, dtype_name)
+    targets = TARGETS if dtype == torch.bfloat16 else TARGETS[:1]
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype_name]
+    meta = torch.device("meta")
+    done = []
+    for num_tokens, in_features, out_features, max_rank in ((64, 576, 960, 192), (512, 4096, 28672, 128)):
+        x = torch.empty(num_tokens, in_features, dtype=dtype, device=meta)
+        y = torch.empty(num_tokens, max_rank, dtype=torch.float32, device=meta)
+        slot_ids = torch.empty(num_tokens, dtype=torch.int32, device=meta)
+        slot_ranks = torch.empty(4, dtype=torch.int32, device=meta)
+        launches = [shrink_launch(x, torch.empty(4, max_rank, in_features, dtype=dtype, device=meta), slot_ids,
+                                  slot_ranks, y),
+                    expand_launch(y, torch.empty(4, max_rank, out_features, dtype=dtype, device=meta), slot_ids,
+                                  slot_ranks, torch.empty(num_tokens, out_features, dtype=dtype, device=meta))]
+        for launch in launches:
+            done += _compile(launch, targets, f"{short} {in_features}->{out_features} r{max_rank}")
+    return done
+
+
+def compile_all() -> list[str]:
+    """Every group on its own process, as many at once as this process has cores (compiling
+    is single-threaded: on 2 cores this halves the ~80 s it takes serially)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    groups = [(compile_attention, dtype) for dtype in ("bfloat16", "float16", "float32")]
+    groups += [(compile_lora, dtype) for dtype in ("bfloat16", "float16", "float32")]
+    with ProcessPoolExecutor(max_workers=min(len(groups), len(os.sched_getaffinity(0)))) as pool:
+        results = [pool.submit(function, dtype) for function, dtype in groups]
+        return [label for result in results for label in result.result()]
 
 
 def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:

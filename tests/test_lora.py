@@ -152,14 +152,19 @@ def tiny_llama_with_adapters(tmp_path_factory, model_dir: Path, prose_ids: list[
                                  {"tiny-a": (8, 16, MODULES, 4), "tiny-b": (4, 4, ("q_proj", "down_proj"), 5)})
     requests = [("tiny-a", prose_ids[:40]), (None, prose_ids[5:30]), ("tiny-b", prose_ids[50:110]),
                 ("tiny-a", prose_ids[200:215])]
+    return folder, requests, peft_in_order(hf_model, folder, requests), hf_model
+
+
+def peft_in_order(hf_model, folder: Path, requests: list[tuple[str | None, list[int]]],
+                  max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     by_adapter: dict[str | None, list[list[int]]] = {}
     for adapter, prompt in requests:
         by_adapter.setdefault(adapter, []).append(prompt)
-    return folder, requests, expected_in_order(requests, peft_references(hf_model, folder, by_adapter))
+    return expected_in_order(requests, peft_references(hf_model, folder, by_adapter, max_new_tokens))
 
 
 def test_tiny_llama_adapter_matches_peft(tiny_llama_with_adapters) -> None:
-    folder, requests, expected = tiny_llama_with_adapters
+    folder, requests, expected, _ = tiny_llama_with_adapters
     engine = Engine(EngineConfig(model=str(folder), **FAST, block_size=16, num_kv_blocks=128,
                                  max_num_batched_tokens=32, max_num_seqs=8))
     assert run_mixed(engine, requests) == expected
@@ -171,7 +176,12 @@ def test_triton_kernels_and_decode_graphs_match_peft(tiny_llama_with_adapters) -
     sizes), which reads every row's adapter slot from the step buffers."""
     from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
-    folder, requests, expected = tiny_llama_with_adapters
+    folder, requests, _, hf_model = tiny_llama_with_adapters
+    # The interpreter runs a LoRA program per token and rank block in every projection (~3 s a
+    # 32-token step on a 2-core AVX2 CPU): the prompts' first 20 tokens (75 in all: prompts split
+    # over three 32-token steps, the last beside decodes) and 6 new tokens.
+    requests = [(adapter, prompt[:20]) for adapter, prompt in requests]
+    expected = peft_in_order(hf_model, folder, requests, max_new_tokens=6)
     # max_lora_rank 8 (the adapters' largest): the interpreter runs a program per rank block.
     engine = Engine(EngineConfig(model=str(folder), **FAST, attention_backend="triton", block_size=16,
                                  num_kv_blocks=128, max_num_batched_tokens=32, max_num_seqs=8, max_lora_rank=8))
@@ -188,8 +198,7 @@ def test_triton_kernels_and_decode_graphs_match_peft(tiny_llama_with_adapters) -
         return original_run(num_seqs)
 
     runner.decode_graphs.run = counting_run
-    # 6 tokens, a prefix of peft's 16 (greedy): the interpreter takes ~3 s a decode step here.
-    assert run_mixed(engine, requests, max_new_tokens=6) == [tokens[:6] for tokens in expected]
+    assert run_mixed(engine, requests, max_new_tokens=6) == expected
     assert graph_steps > 0, "no decode step went through the graph runner"
 
 
