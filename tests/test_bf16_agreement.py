@@ -36,8 +36,9 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def bf16_outputs(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    # A fixed 256-token budget: chunked prefill and decodes mixed, the same steps on every machine.
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, dtype="bfloat16",
-                                 max_num_batched_tokens=256))   # chunked prefill and decodes mixed
+                                 max_num_batched_tokens=256, itl_target_ms=0.0))
     print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU)")
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     return [o.token_ids for o in outputs]

@@ -173,7 +173,7 @@ def test_engine_tokens_do_not_depend_on_the_linear_path(model_dir: Path, prose_i
     params = SamplingParams(max_tokens=16, temperature=0.0)
     results = []
     for choice, layer_type in (("native", NativeLinear), ("onednn", PackedLinear), ("torch", nn.Linear)):
-        engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, cpu_linear=choice))
+        engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, cpu_linear=choice, itl_target_ms=0.0))
         assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, layer_type)
         results.append([o.token_ids for o in engine.generate(prompts, params)])
     assert results[0] == results[1] == results[2]

@@ -18,6 +18,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGETS = [(90, 32), (80, 32)]      # (compute capability, warp size): H100/H200, A100
 LAYOUTS = [(32, 8, 128), (9, 3, 64), (8, 8, 64), (8, 2, 8)]  # (query heads, KV heads, head_dim); head_dim 8: tiny test models
+# float16 and float32 (not served by default on CUDA) on the widest and the narrowest head only.
+OTHER_DTYPE_LAYOUTS = [LAYOUTS[0], LAYOUTS[-1]]
 SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 
@@ -66,7 +68,7 @@ def compile_attention(dtype_name: str) -> list[str]:
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype_name]
     meta = torch.device("meta")
     done = []
-    for num_heads, num_kv_heads, head_dim in LAYOUTS:
+    for num_heads, num_kv_heads, head_dim in LAYOUTS if dtype == torch.bfloat16 else OTHER_DTYPE_LAYOUTS:
         key_cache = torch.empty(100, 16, num_kv_heads, head_dim, dtype=dtype, device=meta)
         tables = torch.empty(8, 64, dtype=torch.int32, device=meta)
         for name, num_tokens, num_seqs, max_query, max_seq in (("decode-split", 2, 2, 1, 8192),
@@ -132,7 +134,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
     compiled = [line for line in done.stdout.splitlines() if " sm_" in line]
     # per (dtype, layout, batch kind): attention + cache write (+ merge when split), on sm_90;
     # bfloat16 on sm_80 too
-    assert len(compiled) >= 2 * len(LAYOUTS) * 3 * (3 + 1), done.stdout[-2000:]
+    assert len(compiled) >= 2 * 3 * (len(LAYOUTS) * len(TARGETS) + 2 * len(OTHER_DTYPE_LAYOUTS)), done.stdout[-2000:]
     lora = [line for line in compiled if line.startswith("_lora_")]
     assert len(lora) == 2 * 2 * (2 + 1 + 1), lora   # 2 kernels x 2 shapes x (bf16 on two targets, fp16, fp32)
 
