@@ -23,11 +23,17 @@ OTHER_DTYPE_LAYOUTS = [LAYOUTS[0], LAYOUTS[-1]]
 SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 
+def _type_names() -> dict:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+            torch.int64: "i64"}
+
+
 def _signature(launch) -> dict[str, str]:
     import torch
 
-    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                  torch.int32: "i32", torch.int64: "i64"}
+    type_names = _type_names()
     names = launch.kernel.arg_names
     sig = {}
     for name, arg in zip(names, launch.args):
@@ -41,16 +47,20 @@ def _signature(launch) -> dict[str, str]:
     return sig
 
 
-def _compile(launch, targets, what: str) -> list[str]:
+def _compile(launch, dtype, what: str) -> list[str]:
+    """One launch for each target of ``dtype``: Ampere for bfloat16 only (the dtype we serve),
+    Hopper for everything. Labels start with the kernel, target and dtype."""
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     done = []
-    for capability, warp_size in targets:
+    for capability, warp_size in TARGETS if dtype == torch.bfloat16 else TARGETS[:1]:
         compiled = triton.compile(ASTSource(launch.kernel, _signature(launch), launch.constexprs),
                                   target=GPUTarget("cuda", capability, warp_size), options=dict(launch.options))
-        label = f"{launch.kernel.__name__} sm_{capability} {what}: {compiled.metadata.shared} B shared"
+        label = (f"{launch.kernel.__name__} sm_{capability} {_type_names()[dtype]} {what}: "
+                 f"{compiled.metadata.shared} B shared")
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
         done.append(label)
     return done
@@ -63,9 +73,6 @@ def compile_attention(dtype_name: str) -> list[str]:
     from kernels.triton_attention import attention_launches, cache_write_launch, plan_launch
 
     dtype = getattr(torch, dtype_name)
-    # Ampere for bfloat16 only: the dtype we serve; Hopper for everything.
-    targets = TARGETS if dtype == torch.bfloat16 else TARGETS[:1]
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype_name]
     meta = torch.device("meta")
     done = []
     for num_heads, num_kv_heads, head_dim in LAYOUTS if dtype == torch.bfloat16 else OTHER_DTYPE_LAYOUTS:
@@ -84,7 +91,7 @@ def compile_attention(dtype_name: str) -> list[str]:
             launches.append(cache_write_launch(kv, kv, key_cache, key_cache,
                                                torch.empty(num_tokens, dtype=torch.int64, device=meta)))
             for launch in launches:
-                done += _compile(launch, targets, f"{short} h{num_heads}/kv{num_kv_heads} d{head_dim} {name}")
+                done += _compile(launch, dtype, f"h{num_heads}/kv{num_kv_heads} d{head_dim} {name}")
     return done
 
 
@@ -95,8 +102,6 @@ def compile_lora(dtype_name: str) -> list[str]:
     from kernels.triton_lora import expand_launch, shrink_launch
 
     dtype = getattr(torch, dtype_name)
-    targets = TARGETS if dtype == torch.bfloat16 else TARGETS[:1]
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype_name]
     meta = torch.device("meta")
     done = []
     for num_tokens, in_features, out_features, max_rank in ((64, 576, 960, 192), (512, 4096, 28672, 128)):
@@ -109,7 +114,7 @@ def compile_lora(dtype_name: str) -> list[str]:
                     expand_launch(y, torch.empty(4, max_rank, out_features, dtype=dtype, device=meta), slot_ids,
                                   slot_ranks, torch.empty(num_tokens, out_features, dtype=dtype, device=meta))]
         for launch in launches:
-            done += _compile(launch, targets, f"{short} {in_features}->{out_features} r{max_rank}")
+            done += _compile(launch, dtype, f"{in_features}->{out_features} r{max_rank}")
     return done
 
 
