@@ -252,7 +252,7 @@ class TritonServer:
                "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-               "--exit-on-error=true", "--log-verbose=0", f"--exit-timeout-secs={self.exit_timeout_s}"]
+               "--exit-on-error=true", "--log-verbose=0", "--disable-auto-complete-config", f"--exit-timeout-secs={self.exit_timeout_s}"]
         if self._log is not None:
             self._log.close()
         self._log = out = open(self.log_file, "a" if self.restarts else "w") if self.log_file else None
@@ -278,6 +278,18 @@ class TritonServer:
         return bool(self.stub_pids())
 
     def _supervise(self) -> None:
+        try:
+            self._supervise_until_stopped()
+        finally:
+            # A server this thread restarted gets SIGTERM from the kernel when the thread ends
+            # (terminate_with_parent). Ending with stop()'s first step would signal it before
+            # stop() has drained it: Triton then began to unload with the model undrained and
+            # sat out its whole exit timeout (15-30 s per replica that had been restarted).
+            # So the thread lasts until stop() has ended the server.
+            if self.process is not None:
+                self.process.wait()
+
+    def _supervise_until_stopped(self) -> None:
         """Restart the server when its stub or the server itself dies, or when the model reports
         its engine unhealthy (after answering every stream it had). Killing the server ends a
         dead stub's streams at once (a transport error) instead of leaving them hung."""

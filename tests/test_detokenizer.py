@@ -8,6 +8,7 @@ and max_tokens end greedy generations exactly where a first, unconstrained run s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,46 @@ def test_earliest_match_wins_within_one_token_regardless_of_list_order(tokenizer
     for stops in (["ick", "qu"], ["qu", "ick"]):
         _, hit, detok, consumed = feed(tokenizer, ids, stops)
         assert (hit, detok.text, consumed) == ("qu", "The ", 2)
+
+
+def test_the_engine_loads_the_tokenizer_autotokenizer_loads(tokenizer: Any) -> None:
+    """load_tokenizer skips AutoTokenizer for a plain tokenizer.json (server start-up time);
+    the tokenizer it gets must be AutoTokenizer's in every respect the engine uses."""
+    from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+
+    from backend.engine.engine import PLAIN_TOKENIZER_MODEL_TYPES, load_tokenizer, loads_tokenizer_directly
+
+    assert not PLAIN_TOKENIZER_MODEL_TYPES & set(MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
+    assert loads_tokenizer_directly(str(MODEL_DIR))
+    direct = load_tokenizer(str(MODEL_DIR))
+    assert type(direct) is type(tokenizer)
+    assert direct.get_vocab() == tokenizer.get_vocab()
+    assert (direct.all_special_ids, direct.eos_token_id, direct.bos_token_id) == (
+        tokenizer.all_special_ids, tokenizer.eos_token_id, tokenizer.bos_token_id)
+    for text in TEXTS + [FOX]:
+        ids = tokenizer(text).input_ids
+        assert direct(text).input_ids == ids
+        assert direct.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[0]}]
+    assert (direct.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_other_tokenizers_go_through_autotokenizer(tmp_path: Path) -> None:
+    from backend.engine.engine import loads_tokenizer_directly
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((MODEL_DIR / name).read_bytes())
+    assert loads_tokenizer_directly(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    assert not loads_tokenizer_directly(str(tmp_path))      # transformers remaps qwen2's class
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "auto_map": {}}))
+    assert not loads_tokenizer_directly(str(tmp_path))      # custom code
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "tokenizer_class": "LlamaTokenizer"}))
+    assert not loads_tokenizer_directly(str(tmp_path))
 
 
 # ---- engine level ---------------------------------------------------------------------------

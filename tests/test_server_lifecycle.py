@@ -175,6 +175,13 @@ def test_a_killed_stub_ends_its_streams_and_the_server_recovers(model_dir: Path,
         assert completion.num_output_tokens == 5
         restarts = [v for k, v in scrape(server.metrics_url).items() if k.startswith("llm_server_restarts_total")]
         assert restarts == [1]
+        # The restarted server, started by the supervisor's thread, is drained before Triton gets
+        # its SIGTERM (not signalled by the kernel as that thread ends).
+        server.stop()
+        log = (tmp_path / "server.log").read_text()
+        restarted = log[log.rindex("Started GRPCInferenceService"):]
+        assert "draining:" in restarted and "Signal (15) received" in restarted, restarted[-2000:]
+        assert restarted.index("draining:") < restarted.index("Signal (15) received"), restarted[-2000:]
     finally:
         server.stop()
 
