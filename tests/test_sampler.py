@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from backend.core.request import Request
-from backend.sample.sampler import Sampler, SamplerOutput
+from backend.sample.sampler import Sampler, SamplerOutput, draw
 from backend.sampling_params import SamplingParams
 
 EOS = 2                      # same EOS id as the real model, inside the small hand-made vocab
@@ -347,6 +347,42 @@ def test_seeded_draws_follow_softmax_too() -> None:
     expected = torch.softmax(torch.tensor(LOGITS_6), 0).tolist()
     for token, p in enumerate(expected):
         assert counts[token] / n == pytest.approx(p, abs=0.025)
+
+
+@pytest.mark.parametrize("uniform", [0.0, 1.0 - 2.0 ** -24, 0.5])
+def test_draw_never_picks_a_zero_probability_token(uniform: float, monkeypatch) -> None:
+    # Zeros first, last and in runs between the tokens that may be drawn; the uniform point at
+    # both ends of its range and in between.
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.0, 0.75, 0.0],
+                          [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                          [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, uniform, dtype=kw.get("dtype")))
+    tokens = draw(probs, torch.Generator()).tolist()
+    monkeypatch.setattr(torch, "rand", real_rand)
+    assert all(probs[row, token] > 0 for row, token in enumerate(tokens)), tokens
+    if uniform == 0.0:      # the point is the row's total: the last token that may be drawn
+        assert tokens == [5, 6, 6, 0]
+    if uniform > 0.99:      # the point is just above 0: the first
+        assert tokens == [2, 0, 6, 0]
+
+
+def test_draw_over_a_full_vocabulary_follows_the_distribution() -> None:
+    """49,152 tokens (SmolLM2's vocabulary), most of the mass on a few, the rest spread thin:
+    the cumulative sum in float32 must not shift mass between tokens."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(49152, generator=generator)
+    logits[[7, 1000, 40000]] += torch.tensor([9.0, 8.0, 8.5])
+    probs = torch.softmax(logits, dim=0)
+    n = 20_000
+    tokens = draw(probs.expand(n, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=49152).double() / n
+    for token in (7, 1000, 40000):
+        assert float(counts[token]) == pytest.approx(float(probs[token]), abs=0.015)
+    rest = torch.ones(49152, dtype=torch.bool)
+    rest[[7, 1000, 40000]] = False
+    assert float(counts[rest].sum()) == pytest.approx(float(probs[rest].sum()), abs=0.015)
 
 
 # ---- logprobs -------------------------------------------------------------------------------

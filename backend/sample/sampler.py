@@ -11,8 +11,8 @@
 6. speculative verification: drafts kept while they equal the samples (``speculative.accept``);
 7. the logprobs of the emitted token, and the top n.
 
-Random rows use the exponential-race trick (argmax of probs / Exp(1) noise), which is
-equivalent to sampling from ``probs``.
+Random rows are drawn by inverting each row's cumulative distribution at one uniform point
+(``draw``): exactly a draw from ``probs``, one random number per row.
 
 A request with speculative drafts has one logits row per position to verify; each row is
 sampled exactly as a lone row would be. A seeded request samples its rows one at a time and
@@ -92,8 +92,7 @@ class Sampler:
         # 4. Random rows without a seed.
         if meta.random_rows is not None:
             probs = filtered_probs(logits[meta.random_rows], meta.random_filter)
-            noise = torch.empty_like(probs).exponential_(generator=self._generator_on(probs.device))
-            chosen[meta.random_rows] = (probs / noise).argmax(dim=-1)
+            chosen[meta.random_rows] = draw(probs, self._generator_on(probs.device))
         row_tokens = chosen.tolist()
         samples = [[row_tokens[row] for row in rows] for rows in batch.rows]
         # 5. Seeded requests, row by row: no noise is drawn past a rejected draft.
@@ -101,9 +100,8 @@ class Sampler:
             rows, drafts = batch.rows[seeded.index], batch.drafts[seeded.index]
             drawn: list[int] = []
             for j, row in enumerate(rows):
-                probs = filtered_probs(logits[row].unsqueeze(0), seeded.filter)[0].cpu()
-                noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=seeded.generator)
-                drawn.append(int((probs / noise).argmax()))
+                probs = filtered_probs(logits[row].unsqueeze(0), seeded.filter).cpu()
+                drawn.append(int(draw(probs, seeded.generator)[0]))
                 if j >= len(drafts) or drawn[-1] != drafts[j]:
                     break
             samples[seeded.index] = drawn
@@ -124,6 +122,19 @@ class Sampler:
                 entry[token] = Logprob(float(value), 1 + int((row_logprobs > value).sum()))
                 logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` ([rows, vocab], zeros allowed), drawn from the row's
+    distribution: the first token whose cumulative probability reaches a uniform point in
+    (0, row total]. A zero-probability token is a flat step of the cumulative sum, which the
+    search never stops on. Not the exponential race vLLM uses on GPUs (argmax of probs over
+    Exp(1) noise): torch draws exponentials on CPU at ~0.5 ms per 49k-token row, 26 ms a step
+    for 16 sampled rows on the 2-core AVX2 EPYC (Zen 3), against 0.55 ms for this."""
+    cdf = probs.cumsum(dim=-1)
+    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    points = (1.0 - uniform) * cdf[:, -1:]     # rand is in [0, 1): the point is never 0
+    return torch.searchsorted(cdf, points).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def filtered_probs(logits: torch.Tensor, filter: RowFilter) -> torch.Tensor:
