@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     instrument()
     engines = {}
     for dtype in dtypes:
+        # A fixed token budget (itl_target_ms=0): only decode steps are measured, so the start-up
+        # calibration that sizes prefill chunks would be time spent for nothing.
         engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=args.batch, num_kv_blocks=2048,
-                                     enable_prefix_caching=False))
+                                     enable_prefix_caching=False, itl_target_ms=0.0))
         start_decodes(engine, contexts, random.Random(0))
         measure_round(engine, 2)    # warm-up
         engines[dtype] = engine

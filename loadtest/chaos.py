@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=1.5, help="requests/s, open loop (Poisson)")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between faults (+-25%%)")
     parser.add_argument("--actions", default=",".join(ACTIONS), help=f"faults to use (of {', '.join(ACTIONS)})")
+    parser.add_argument("--drain-timeout", type=float, default=None,
+                        help="the replicas' drain_timeout_s (default: config.pbtxt's); a drain-restart takes "
+                             "about this + 10 s (Triton's exit timeout) + a start")
     parser.add_argument("--run-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     actions = tuple(a for a in args.actions.split(",") if a)
@@ -260,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S-chaos")
     run_dir.mkdir(parents=True, exist_ok=True)
     params = dict(PROFILES[PROFILE].server_params)
+    if args.drain_timeout is not None:
+        params["drain_timeout_s"] = f"{args.drain_timeout:g}"
     cluster = Cluster(args.replicas, base_port=None, params=params, supervise=True, log_dir=run_dir)
     print(f"starting {args.replicas} supervised replicas behind HAProxy ...", flush=True)
     cluster.start()

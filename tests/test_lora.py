@@ -323,7 +323,7 @@ def test_lora_name_through_the_real_server(lora_model: Path, prose_ids: list[int
         assert refused.value.code == 400   # INVALID_ARG
 
         # A stream runs; meanwhile an adapter is added and used at once.
-        running = client.stream("A long story:", max_tokens=400, ignore_eos=True, lora_name="attn-r4")
+        running = client.stream("A long story:", max_tokens=150, ignore_eos=True, lora_name="attn-r4")
         chunks = iter(running)
         next(chunks)
         deadline = time.monotonic() + 1.0     # published within 0.5 s (test_server.py checks the bound)
