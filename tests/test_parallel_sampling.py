@@ -111,7 +111,8 @@ def stream_infer(server, sampling: dict, stream: bool, **flags: bool) -> list:
 @pytest.mark.server
 @pytest.mark.parametrize("stream", [True, False])
 def test_server_returns_n_completions_per_response(server, stream: bool) -> None:
-    sampling = {"n": 3, "seed": 5, "temperature": 1.0, "max_tokens": 12}
+    # min_tokens: a child whose first draw is EOS would have no text to compare.
+    sampling = {"n": 3, "seed": 5, "temperature": 1.0, "max_tokens": 12, "min_tokens": 2}
     results = stream_infer(server, sampling, stream, exclude_input_in_output=True, return_finish_reason=True,
                            return_num_output_tokens=True)
     assert all(r.as_numpy("text_output").shape == (3,) for r in results)
