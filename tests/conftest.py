@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -32,6 +34,11 @@ if "LLM_TEST_STEP_COST_CACHE" not in os.environ:
     os.environ["LLM_TEST_STEP_COST_CACHE"] = tempfile.mkdtemp(prefix="llm-step-cost-")
     atexit.register(shutil.rmtree, os.environ["LLM_TEST_STEP_COST_CACHE"], True)
 os.environ["LLM_STEP_COST_CACHE"] = os.environ["LLM_TEST_STEP_COST_CACHE"]
+# Likewise one folder for the run's transformers references that modules on different workers
+# share (``hf_greedy_shared``).
+if "LLM_TEST_REFERENCES" not in os.environ:
+    os.environ["LLM_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="llm-test-references-")
+    atexit.register(shutil.rmtree, os.environ["LLM_TEST_REFERENCES"], True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -82,6 +89,25 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     return outs
 
 
+def hf_greedy_shared(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """``hf_greedy``, computed once per test run for these prompts: the first worker to ask
+    computes it under a file lock and writes it to the run's folder, a worker asking later
+    waits and reads it. (The float32 references of the mixed prompts take ~30 s on one core
+    and two modules, often on different workers, compare against them.) Never read across
+    runs: the folder is the run's own."""
+    from filelock import FileLock
+
+    key = hashlib.sha256(json.dumps([str(model.config._name_or_path), str(model.dtype), prompts,
+                                     max_new_tokens]).encode()).hexdigest()[:24]
+    path = Path(os.environ["LLM_TEST_REFERENCES"]) / f"{key}.json"
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return json.loads(path.read_text())
+        outputs = hf_greedy(model, prompts, max_new_tokens)
+        path.write_text(json.dumps(outputs))
+        return outputs
+
+
 @pytest.fixture(scope="session")
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
@@ -102,6 +128,16 @@ def auto_dtype_is_float32():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_runner, "detect", lambda: without_bf16)
         yield
+
+
+# For an engine or server test that is not about prefill chunk sizes: a fixed token budget
+# instead of chunks sized to the ITL target, so that its configuration is not calibrated at
+# start-up (8-15 s on the 2-core AVX2 EPYC, Zen 3, for each configuration first seen in a run).
+# The calibrated path keeps its own tests: test_hf_equality's block16, preemption and
+# shared-prefix configs (token-exact against transformers), test_timing_cache, and the session
+# server below, the chaos soak's and the cluster's replicas, which keep the default.
+FIXED_BUDGET = dict(itl_target_ms=0.0)
+FIXED_BUDGET_PARAMS = {key: f"{value:g}" for key, value in FIXED_BUDGET.items()}   # as server parameters
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from benchmarks.precision_agreement import prefix_share
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, hf_greedy_shared
 from tests.test_hf_equality import MAX_NEW_TOKENS, mixed_prompts  # noqa: F401 - the fixture, reused
 
 # Measured on the 2-core AVX-512 BF16 EPYC (Zen 5), float32 logits from the bfloat16 head:
@@ -49,7 +49,7 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
 
 
 def test_bf16_agreement_with_transformers_float32(bf16_outputs, hf_model, prompts) -> None:
-    share = agreement(bf16_outputs, hf_greedy(hf_model, prompts, MAX_NEW_TOKENS))
+    share = agreement(bf16_outputs, hf_greedy_shared(hf_model, prompts, MAX_NEW_TOKENS))   # test_hf_equality's
     print(f"bfloat16 engine vs transformers float32: {share:.3f} (floor {FLOOR_VS_FLOAT32})")
     assert share >= FLOOR_VS_FLOAT32
 

@@ -18,6 +18,7 @@ import pytest
 
 from backend import Engine, EngineConfig, RequestOutput, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
+from tests.conftest import FIXED_BUDGET
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 EOS = 2
@@ -45,7 +46,7 @@ def tokenizer() -> Any:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(EngineConfig(model=str(MODEL_DIR), num_kv_blocks=64, block_size=16))
+    return Engine(EngineConfig(model=str(MODEL_DIR), **FIXED_BUDGET, num_kv_blocks=64, block_size=16))
 
 
 @dataclass

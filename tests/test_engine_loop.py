@@ -12,13 +12,15 @@ import pytest
 
 from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, RequestOutput, SamplingParams
 from backend.engine.loop import EngineLoop, EngineStepError
+from tests.conftest import FIXED_BUDGET
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, max_waiting_requests=4, max_num_seqs=2))
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, max_waiting_requests=4,
+                               max_num_seqs=2))
 
 
 def collect(q: queue.Queue, timeout: float = 60) -> list[RequestOutput | BaseException]:

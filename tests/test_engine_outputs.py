@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
+from tests.conftest import FIXED_BUDGET
 
 
 def test_cumulative_views_are_per_step_snapshots(model_dir: Path, prose_ids: list[int]) -> None:
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256))
+    engine = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256))
     params = [SamplingParams(max_tokens=40, temperature=0.0, logprobs=2),
               SamplingParams(max_tokens=40, temperature=0.0, stop=[" the"]),   # truncated by a stop string
               SamplingParams(max_tokens=25, temperature=0.8, seed=7)]
@@ -45,7 +46,7 @@ def test_cumulative_views_are_per_step_snapshots(model_dir: Path, prose_ids: lis
 def test_merged_outputs_equal_the_deltas_in_sequence(model_dir: Path, prose_ids: list[int]) -> None:
     """A sender that fell behind merges a stream's queued deltas: the merge of any run of
     consecutive outputs carries their concatenated deltas and the last one's state."""
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64))
+    engine = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=64))
     engine.add_request("a", prose_ids[:20], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1))
     outputs = []
     while engine.has_unfinished_requests():
@@ -59,6 +60,6 @@ def test_merged_outputs_equal_the_deltas_in_sequence(model_dir: Path, prose_ids:
     assert merged.finished and merged.finish_reason == "length"
     assert merged.num_output_tokens == 12 and merged.token_ids == outputs[-1].token_ids
     assert merged.text == outputs[-1].text
-    other = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64)).generate([prose_ids[:5]])[0]
+    other = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=64)).generate([prose_ids[:5]])[0]
     with pytest.raises(ValueError):
         outputs[0].merged_with(other)

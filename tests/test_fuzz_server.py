@@ -43,7 +43,8 @@ INTERNAL_MARKERS = ("internal error", "engine step", "Traceback")
 def server(tmp_path_factory, model_dir: Path):
     # A short context bounds every valid answer (<= 64 tokens), so that 1,000 requests take seconds.
     log = tmp_path_factory.mktemp("triton-fuzz") / "server.log"
-    srv = TritonServer(*free_ports(3), log_file=log, params={"max_model_len": "64", "max_waiting_requests": "4096"})
+    srv = TritonServer(*free_ports(3), log_file=log, params={"max_model_len": "64", "max_waiting_requests": "4096",
+                                                                **FIXED_BUDGET_PARAMS})
     srv.start(timeout=300)
     yield srv
     srv.stop()

@@ -9,7 +9,7 @@ import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.core.step_cost import StepCostModel
-from tests.conftest import hf_greedy
+from tests.conftest import FIXED_BUDGET, hf_greedy, hf_greedy_shared
 
 MAX_NEW_TOKENS = 24
 # Very different lengths, 1 to 430 tokens, submitted at once.
@@ -31,7 +31,7 @@ def shared_prefix_prompts(prose_ids: list[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_mixed(hf_model, mixed_prompts) -> list[list[int]]:
-    return hf_greedy(hf_model, mixed_prompts, MAX_NEW_TOKENS)
+    return hf_greedy_shared(hf_model, mixed_prompts, MAX_NEW_TOKENS)    # test_bf16_agreement's too
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,6 @@ def assert_same_tokens(ours: list[list[int]], reference: list[list[int]]) -> Non
 # policy: the same steps on every machine, and no start-up calibration per config. "block16"
 # keeps the default, chunks sized to the ITL target by the calibrated step cost model; the
 # ITL_CONFIGS below size them by a fixed clock.
-FIXED_BUDGET = dict(itl_target_ms=0.0)
 CONFIGS = {
     "block16": dict(block_size=16, num_kv_blocks=512),
     "block4": dict(block_size=4, num_kv_blocks=2048, **FIXED_BUDGET),

@@ -16,6 +16,7 @@ from loadtest.records import CANCELLED, OK, read_records
 from loadtest.runner import LoadOptions, run_load
 from loadtest.server_metrics import scrape, value, wait_until_idle
 from server.launch import TritonServer, free_ports
+from tests.conftest import FIXED_BUDGET_PARAMS
 
 pytestmark = pytest.mark.server
 
@@ -32,7 +33,8 @@ def counters(url: str) -> dict[str, float]:
 
 def test_smoke_load_test_against_the_real_server(model_dir: Path, tmp_path: Path) -> None:
     profile = PROFILES["smoke"]
-    with TritonServer(*free_ports(3), params=profile.server_params, log_file=tmp_path / "server.log") as server:
+    with TritonServer(*free_ports(3), params={**profile.server_params, **FIXED_BUDGET_PARAMS},
+                      log_file=tmp_path / "server.log") as server:
         idle = wait_until_idle(server.metrics_url)
         before = counters(server.metrics_url)
         started = time.monotonic()

@@ -24,6 +24,7 @@ from backend.sample.logits_processors import (AllowedTokensProcessor, MinTokensP
 from backend.sample.metadata import SamplingBatch, SamplingMetadata
 from backend.sample.sampler import Sampler
 from backend.sampling_params import SamplingParams
+from tests.conftest import FIXED_BUDGET
 
 EOS = 2
 CPU = torch.device("cpu")
@@ -189,7 +190,7 @@ def test_a_prefix_cached_under_one_salt_is_not_served_to_another() -> None:
 def test_allowed_token_ids_hold_in_the_engine(model_dir, speculative: bool) -> None:
     from backend import Engine, EngineConfig
 
-    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_seqs=4,
+    config = EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=64, max_num_seqs=4,
                           speculative_method="ngram" if speculative else "none")
     engine = Engine(config)
     allowed = [28, 253, 314, 1217, 2]       # a few ids of the model's vocabulary, EOS among them

@@ -19,7 +19,7 @@ from backend.lora.registry import MULTI_LORA_FILE
 from backend.lora.slots import LoRABackend, LoRASlots, batch_for_rows
 from backend.lora.synthetic import MODULES, model_with_adapters
 from backend.model.architecture import ModelArchitecture
-from tests.conftest import hf_greedy
+from tests.conftest import FIXED_BUDGET_PARAMS, hf_greedy
 from tests.test_tiny_architectures import make_tiny_model
 
 MAX_NEW_TOKENS = 16
@@ -306,7 +306,7 @@ def test_lora_name_through_the_real_server(lora_model: Path, prose_ids: list[int
                 for name in ("all-r8", "attn-r4")}
     assert expected["all-r8"] != expected["attn-r4"]
     entries = json.loads((lora_model / MULTI_LORA_FILE).read_text())
-    with TritonServer(*free_ports(3), params={"model": str(lora_model), "dtype": "float32"},
+    with TritonServer(*free_ports(3), params={"model": str(lora_model), "dtype": "float32", **FIXED_BUDGET_PARAMS},
                       log_file=tmp_path / "server.log") as server:
         client = LLMClient(server.grpc_url, retry=NO_RETRY)
         greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)

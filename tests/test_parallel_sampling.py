@@ -14,11 +14,13 @@ from backend import Engine, EngineConfig, InvalidRequestError, QueueFullError, S
 from backend.engine.loop import EngineLoop
 from backend.engine.parallel_sampling import ParallelOutput, child_params
 from tests.grpc_requests import stream_request, vllm_inputs
+from tests.conftest import FIXED_BUDGET
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, max_waiting_requests=12))
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=512, max_num_seqs=16,
+                               max_waiting_requests=12))
 
 
 def run(loop: EngineLoop, request_id: str, prompt, params: SamplingParams, timeout: float = 120) -> list:

@@ -429,7 +429,7 @@ def test_prefix_cache_hits_show_in_metrics(server: TritonServer, client: LLMClie
 
 
 def test_queue_full_is_unavailable_at_once(model_dir: Path, tmp_path: Path) -> None:
-    with TritonServer(*free_ports(3), params={"max_num_seqs": "1", "max_waiting_requests": "1"},
+    with TritonServer(*free_ports(3), params={"max_num_seqs": "1", "max_waiting_requests": "1", **FIXED_BUDGET_PARAMS},
                       log_file=tmp_path / "server.log") as srv:
         c = LLMClient(srv.grpc_url, retry=NO_RETRY)   # the refusal itself, not the client's retries
         long_running = c.stream("A long story:", max_tokens=300, ignore_eos=True, **GREEDY)

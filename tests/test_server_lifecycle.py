@@ -21,6 +21,7 @@ from client import NO_RETRY, LLMClient, LLMError
 from loadtest.server_metrics import scrape, value
 from server.launch import REPO_ROOT, TritonServer, free_ports, processes_in_group
 from server.ready import is_ready
+from tests.conftest import FIXED_BUDGET_PARAMS
 
 pytestmark = pytest.mark.server
 
@@ -43,7 +44,8 @@ def start_launcher(tmp_path: Path, http: int, grpc: int, metrics: int, drain_tim
     """``python -m server.launch`` as a user runs it, on these ports, ready; its output in a log."""
     log = open(tmp_path / "launcher.log", "w")
     launcher = subprocess.Popen([sys.executable, "-m", "server.launch", f"--http-port={http}", f"--grpc-port={grpc}",
-                                 f"--metrics-port={metrics}", f"--param=drain_timeout_s={drain_timeout_s:g}"],
+                                 f"--metrics-port={metrics}", f"--param=drain_timeout_s={drain_timeout_s:g}",
+                                 *(f"--param={k}={v}" for k, v in FIXED_BUDGET_PARAMS.items())],
                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         TritonServer(http, grpc, metrics).wait_ready(300)
@@ -155,7 +157,8 @@ def test_a_sigkilled_launcher_takes_its_server_down(model_dir: Path, tmp_path: P
 
 
 def test_a_killed_stub_ends_its_streams_and_the_server_recovers(model_dir: Path, tmp_path: Path) -> None:
-    server = TritonServer(*free_ports(3), log_file=tmp_path / "server.log", supervise=True).start()
+    server = TritonServer(*free_ports(3), params=FIXED_BUDGET_PARAMS, log_file=tmp_path / "server.log",
+                          supervise=True).start()
     try:
         client = LLMClient(server.grpc_url)
         streams = [StreamRecord(client, 5000) for _ in range(3)]
@@ -192,7 +195,7 @@ def test_an_unhealthy_engine_turns_not_ready_and_the_supervisor_restarts_it(mode
     retryable, llm_ready and llm_engine_healthy read 0 (what HAProxy's health check and
     server/ready.py look at), the log says why, and the supervisor restarts the server."""
     fault = tmp_path / "fault"
-    with TritonServer(*free_ports(3), supervise=True, env={FAULT_FILE_ENV: str(fault)},
+    with TritonServer(*free_ports(3), params=FIXED_BUDGET_PARAMS, supervise=True, env={FAULT_FILE_ENV: str(fault)},
                       log_file=tmp_path / "server.log") as server:
         client = LLMClient(server.grpc_url, retry=NO_RETRY)
         assert client.generate("Before the fault:", max_tokens=2).num_output_tokens == 2

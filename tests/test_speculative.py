@@ -18,6 +18,7 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.core.request import Request
 from backend.sample.sampler import Sampler
 from backend.sample.speculative import NgramProposer, accept, can_speculate
+from tests.conftest import FIXED_BUDGET, hf_greedy
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch_size=64)
 
@@ -170,11 +171,9 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[
 
 def test_greedy_with_speculation_matches_transformers_on_repetitive_and_plain_prompts(
         model_dir: Path, hf_model, repetitive_prompts, plain_prompts) -> None:
-    from tests.conftest import hf_greedy
-
     prompts = repetitive_prompts + plain_prompts
     reference = hf_greedy(hf_model, prompts, 32)
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **SPEC))
+    engine = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, **SPEC))
     for i, prompt in enumerate(prompts):     # one at a time: the single-stream case speculation is for
         before = engine.stats()
         out = run(engine, [prompt], SamplingParams(max_tokens=32, temperature=0.0))[0]
@@ -190,8 +189,8 @@ def test_greedy_with_speculation_matches_transformers_on_repetitive_and_plain_pr
 def test_seeded_sampling_is_the_same_with_and_without_speculation(model_dir: Path, repetitive_prompts) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True)
               for i in range(len(repetitive_prompts))]
-    plain = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256))
-    speculative = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **SPEC))
+    plain = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256))
+    speculative = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, **SPEC))
     alone = [run(speculative, [p], [q])[0].token_ids for p, q in zip(repetitive_prompts, params)]
     together = [o.token_ids for o in run(speculative, repetitive_prompts, params)]
     reference = [o.token_ids for o in run(plain, repetitive_prompts, params)]
@@ -200,8 +199,8 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(model_dir: Pat
 
 
 def test_stops_apply_token_by_token_inside_an_accepted_run(model_dir: Path, repetitive_prompts, tokenizer) -> None:
-    plain = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256))
-    speculative = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **SPEC))
+    plain = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256))
+    speculative = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, **SPEC))
     prompt = repetitive_prompts[2]     # "The cat sat on the mat." over and over
     free_run = run(plain, [prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
     ids = free_run.token_ids
@@ -220,7 +219,7 @@ def test_stops_apply_token_by_token_inside_an_accepted_run(model_dir: Path, repe
 
 
 def test_streamed_deltas_concatenate_to_the_text(model_dir: Path, repetitive_prompts) -> None:
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **SPEC))
+    engine = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, **SPEC))
     engine.add_request("s", repetitive_prompts[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     pieces, ids, final = [], [], None
     while engine.has_unfinished_requests():
@@ -234,13 +233,13 @@ def test_streamed_deltas_concatenate_to_the_text(model_dir: Path, repetitive_pro
 
 
 def test_large_batches_skip_speculation(model_dir: Path, repetitive_prompts) -> None:
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, speculative_method="ngram",
+    engine = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, speculative_method="ngram",
                                  speculative_max_batch_size=2))
     run(engine, repetitive_prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert engine.stats().spec_draft_tokens == 0      # three requests running: above the limit
     run(engine, repetitive_prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert engine.stats().spec_draft_tokens > 0
-    opted_out = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, **SPEC))
+    opted_out = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, **SPEC))
     run(opted_out, repetitive_prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, speculative=False))
     assert opted_out.stats().spec_draft_tokens == 0
 
@@ -253,8 +252,8 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def tight_engine(model_dir: Path) -> Engine:
     # 14 blocks of 4 tokens: a few requests fill it, so drafts are dropped and requests preempted.
-    return Engine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=14, max_num_batched_tokens=24,
-                               max_num_seqs=4, **SPEC))
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, block_size=4, num_kv_blocks=14,
+                               max_num_batched_tokens=24, max_num_seqs=4, **SPEC))
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]), st.integers(0, 10**6)),
@@ -303,5 +302,5 @@ def test_drafts_survive_preemption_in_a_tight_cache(tight_engine: Engine, model_
     after = tight_engine.stats()
     assert after.num_preemptions > before.num_preemptions
     assert after.spec_draft_tokens > before.spec_draft_tokens
-    roomy = Engine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))
+    roomy = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, block_size=4, num_kv_blocks=256))
     assert ours == [o.token_ids for o in run(roomy, prompts, params)]

@@ -14,6 +14,7 @@ from backend import Engine, EngineConfig, EngineUnhealthyError, FinishReason, Sa
 from backend.core.request import Request
 from backend.engine.engine import MAX_FAILED_STEPS_IN_A_ROW
 from backend.engine.loop import EngineLoop, EngineStepError
+from tests.conftest import FIXED_BUDGET
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -21,7 +22,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
     # Small chunks, so that prompts take several steps and requests share steps in many ways.
-    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=48))
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=128, max_num_seqs=8,
+                               max_num_batched_tokens=48))
 
 
 @pytest.fixture(autouse=True)

@@ -34,6 +34,7 @@ from backend.sampling_params import SamplingParams
 from backend.structured_outputs import MAX_GRAMMAR_CHARS, GrammarSpec
 from server.vllm_protocol import sampling_params as protocol_sampling_params
 from tests.structured_cases import CASES, MAX_TOKENS, PERSON_SCHEMA, Case
+from tests.conftest import FIXED_BUDGET
 
 VOCAB = 49152
 EOS = 2
@@ -54,13 +55,14 @@ def run(engine: Engine, prompts: list, params: list[SamplingParams]) -> list:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=1024))
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=1024))
 
 
 @pytest.fixture(scope="module")
 def spec_engine(model_dir: Path) -> Engine:
     # At most 4 running: drafts are only scheduled for batches up to speculative_max_batch_size.
-    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, speculative_method="ngram", max_num_seqs=4))
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=512, speculative_method="ngram",
+                               max_num_seqs=4))
 
 
 @pytest.fixture(scope="module")
