@@ -54,11 +54,12 @@ cluster: setup model setup-cluster
 	$(PY) -m server.cluster $(if $(BALANCE),--balance $(BALANCE)) $(if $(PROMETHEUS),--prometheus) $(if $(PROMETHEUS_PORT),--prometheus-port $(PROMETHEUS_PORT))
 
 # The tests that start no server run on one pytest-xdist worker per core (at most 4), each
-# pinned to its core (tests/conftest.py); then the server tests, one at a time on every core:
+# pinned to its core, the longest modules handed out first (tests/conftest.py); then the server
+# tests, one at a time on every core:
 # they time restarts, drains and load, and each server they start uses every core.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))")
 test: setup model setup-cluster
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not server" tests; unit=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not server" tests; unit=$$?; \
 	$(PY) -m pytest -q -m server tests; server=$$?; \
 	echo "make test: tests without a server exit $$unit, server tests exit $$server"; \
 	exit $$(( unit || server ))

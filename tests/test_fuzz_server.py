@@ -27,6 +27,7 @@ from client import LLMClient
 from client.llm_client import _Connection
 from loadtest.server_metrics import scrape
 from server.launch import TritonServer, free_ports
+from tests.conftest import FIXED_BUDGET_PARAMS
 
 pytestmark = pytest.mark.server
 

@@ -21,6 +21,7 @@ from client import NO_RETRY, LLMClient, LLMError, StreamChunk, http_generate_str
 from client.llm_client import build_inputs
 from loadtest.server_metrics import scrape
 from server.launch import TritonServer, free_ports
+from tests.conftest import FIXED_BUDGET_PARAMS
 from tests.grpc_requests import tensor
 
 pytestmark = pytest.mark.server
