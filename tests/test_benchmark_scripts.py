@@ -37,6 +37,15 @@ def test_cpu_linear_benchmark_runs() -> None:
     assert done.stdout.count("x |") == 2      # one speed-up per row count
 
 
+def test_sampling_draw_benchmark_runs() -> None:
+    """The sampled-decode comparison of the two draws runs both and restores the engine's."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.sampling_draw", "--streams", "2", "--max-tokens", "4",
+                           "--rounds", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert set(result["output_tok_s"]) == {"inverse_cdf", "exponential_race"} and result["ratio_of_medians"] > 0
+
+
 def test_speculative_benchmark_runs(tmp_path: Path) -> None:
     """The speculation off/on comparison (docs/benchmarks.md) runs and checks equal outputs."""
     out = tmp_path / "spec.json"
