@@ -11,6 +11,8 @@ from typing import Any, Callable
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The model `make model` converts: the default of every benchmark with a --model-dir.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters: int = 20) -> float:

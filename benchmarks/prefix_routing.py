@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import DEFAULT_MODEL_DIR
 from client.llm_client import http_generate_stream, prefix_key_for
 from loadtest.prompts import PromptFactory
 from loadtest.server_metrics import sample_one
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 
 
 @dataclass

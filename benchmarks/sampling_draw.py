@@ -16,7 +16,7 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.sample import sampler
-from benchmarks.speculative import DEFAULT_MODEL_DIR
+from benchmarks.common import DEFAULT_MODEL_DIR
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

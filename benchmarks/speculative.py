@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from backend import Engine, EngineConfig, SamplingParams
+from benchmarks.common import DEFAULT_MODEL_DIR
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 
 PARAGRAPH = ("The river town woke slowly. Fishermen pulled their boats onto the grey stones, the baker "
              "opened his shutters, and the bells of the old church rang seven times. Children ran along "

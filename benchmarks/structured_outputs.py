@@ -35,8 +35,8 @@ from backend.sample.grammar import GrammarConstraint
 from backend.sample.constraints import bitmask_to_bool
 from backend.sample.logits_processors import AllowedTokensProcessor, TokenMask
 from backend.sample.metadata import SamplingBatch
+from benchmarks.common import DEFAULT_MODEL_DIR
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "structured_outputs-cpu-epyc-2core.json"
 
 SCHEMA: dict[str, Any] = {       # typed fields, nesting, an array, enums, an integer range

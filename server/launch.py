@@ -252,7 +252,9 @@ class TritonServer:
                "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-               "--exit-on-error=true", "--log-verbose=0", "--disable-auto-complete-config", f"--exit-timeout-secs={self.exit_timeout_s}"]
+               "--exit-on-error=true", "--log-verbose=0", f"--exit-timeout-secs={self.exit_timeout_s}",
+               # config.pbtxt is complete: auto-complete would start a stub only to ask model.py (5 s)
+               "--disable-auto-complete-config"]
         if self._log is not None:
             self._log.close()
         self._log = out = open(self.log_file, "a" if self.restarts else "w") if self.log_file else None

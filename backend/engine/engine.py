@@ -104,7 +104,7 @@ def _count_loras(requests: Any) -> dict[str, int]:
 
 # Model types whose tokenizer, when tokenizer_config.json names the generic class, is exactly
 # tokenizer.json: AutoTokenizer would pick TokenizersBackend for them too (transformers keeps a
-# list of model types whose Hub tokenizer class it overrides; tests/test_engine_outputs.py checks
+# list of model types whose Hub tokenizer class it overrides; tests/test_detokenizer.py checks
 # that none of these is on it and that both paths tokenize alike).
 PLAIN_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
