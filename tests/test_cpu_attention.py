@@ -270,6 +270,20 @@ KERNEL_VERSIONS = {
     "plain-c": (("-mno-avx2",), 1, False, set()),
 }
 
+# The prefill task functions of paged_attention.c, as prefill_attention_path() numbers them.
+PREFILL_PATHS = {0: "generic C", 1: "AVX2 rows-in-lanes", 2: "AVX512_BF16 dot products"}
+
+
+def expected_prefill_path(version: str, dtype: torch.dtype, head_dim: int) -> int:
+    """Which prefill task a build of ``version`` must run: the AVX512_BF16 one for bfloat16 at
+    head sizes 32, 64 and 128, the AVX2 one (AVX2 builds only) at head sizes that are a multiple
+    of 8, the generic one for everything else."""
+    if version == "avx512-bf16" and dtype == torch.bfloat16 and head_dim in (32, 64, 128):
+        return 2
+    if version == "avx2" and head_dim % 8 == 0:
+        return 1
+    return 0
+
 
 @pytest.fixture(scope="module", params=list(KERNEL_VERSIONS))
 def kernel_version(request):
@@ -306,6 +320,12 @@ def test_the_engine_build_uses_the_widest_version_the_cpu_has() -> None:
     expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 1
     assert library.decode_attention_bf16_vector_width() == expected
     assert library.decode_attention_bf16_dot_product() == ({"avx512f", "avx512_bf16"} <= flags)
+    version = ("avx512-bf16" if {"avx512f", "avx512_bf16"} <= flags else "avx512f" if "avx512f" in flags
+               else "avx2" if {"avx2", "fma"} <= flags else "plain-c")
+    for dtype in DTYPES:
+        path = library.prefill_attention_path(int(dtype == torch.bfloat16), 64)
+        assert path == expected_prefill_path(version, dtype, 64), (
+            f"{dtype} prefill at head_dim 64 runs the {PREFILL_PATHS[path]} task on this {version} CPU")
 
 
 def direct_decode(batch: PagedBatch, library, scale: float) -> torch.Tensor:
@@ -379,9 +399,13 @@ def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: to
                                                        shape: tuple[int, int, int, int]) -> None:
     """Prefill rows (fresh prompts and chunks over a cached context, several query tiles and
     key blocks, decode rows left to NaN) through one build of the prefill kernel, on 1 and 3
-    threads."""
+    threads. The build must run the task function its version and the head size call for
+    (the failure message names it)."""
     name, library = kernel_version
     num_heads, num_kv_heads, head_dim, block_size = shape
+    path = library.prefill_attention_path(int(dtype == torch.bfloat16), head_dim)
+    assert path == expected_prefill_path(name, dtype, head_dim), f"the {name} build runs {PREFILL_PATHS[path]}"
+    name = f"{name} build ({PREFILL_PATHS[path]} prefill task)"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     specs = [(0, rng.randrange(2, 80)), (rng.randrange(1, 120), rng.randrange(2, 70)), (rng.randrange(1, 40), 1)]
@@ -401,7 +425,6 @@ def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: to
                                                batch.value_cache, scale, library=library)
         finally:
             torch.set_num_threads(1)
-        check(out[prefill_rows], expected[prefill_rows], dtype,
-              f"{name} build, {threads} threads, seed {seed}, specs {specs}")
+        check(out[prefill_rows], expected[prefill_rows], dtype, f"{name}, {threads} threads, seed {seed}, specs {specs}")
         decode_rows = torch.tensor([i for i in range(out.shape[0]) if i not in set(prefill_rows.tolist())])
         assert out[decode_rows].isnan().all(), "the prefill kernel wrote rows that are not its own"

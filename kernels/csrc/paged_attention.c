@@ -549,7 +549,10 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
  * last query are never read (causal). torch's CPU flash attention, which this replaces,
  * needed float32 copies of the gathered K/V and ~3.5 ms per layer for a 512-token prompt
  * on the 2-core AVX-512 EPYC. The inner loops are plain C that gcc vectorises for the
- * compiled ISA; exp is exp_ps above where there is one. */
+ * compiled ISA; exp is exp_ps above where there is one. prefill_task is the generic version
+ * (AVX-512F builds, float32, and odd head sizes anywhere); AVX2 builds take prefill_task_lanes
+ * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); prefill_attention_path() says
+ * which one a build runs. */
 #define PREFILL_KEY_BLOCK 16
 #define PREFILL_QUERY_TILE 32
 #define PREFILL_ROWS_AT_ONCE 8   /* rows whose scores are accumulated together (independent FMA chains) */
@@ -664,6 +667,212 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
         }
     }
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* prefill_task for AVX2 builds, float32 or bfloat16 pages, head_dim a multiple of 8
+ * (lanes_path_fits). On the 2-core AVX2 EPYC (Zen 3) prefill_task reached ~45 GFLOP/s on two
+ * threads, a quarter of the FMA peak: its 8 rows x 16 keys of scores need all 16 ymm registers
+ * as accumulators (gcc spilled them each step of d), and its online softmax is scalar, row by
+ * row. Here the rows of a task lie across the 8 lanes of a vector instead:
+ *   - the scaled queries are transposed once per task into [row group][head_dim][8 rows]; two
+ *     row groups' scores for 4 keys are 8 accumulators, each step of d two query vector
+ *     loads, 4 broadcasts of K and 8 multiply-adds (K as stored, widened to float32 per block);
+ *   - the online softmax is vector code over 8 rows at once with no horizontal step: the
+ *     block maximum is an elementwise max over the block's keys, the correction one exp_ps,
+ *     the causal mask a compare of each row's position with the key's;
+ *   - P x V runs four rows at a time over 16 columns: 8 accumulators, each V vector loaded
+ *     once for the four rows, each probability a broadcast.
+ * Zen 3 issues at most two broadcasts a cycle: one per multiply-add (a group x 8 keys, or two
+ * rows x 32 columns) left the FMA units idle more often: that first version of this path
+ * reached 81 GFLOP/s (float32, 2 threads, 512-token prompt), this one 92-100. Same
+ * flash-attention walk as prefill_task (tasks, key blocks of 16, causal skip), and ~2x its
+ * speed on a 512-token prompt (docs/benchmarks.md, "Prefill against the compute roofline"). */
+#define LANES 8
+#define SCORE_KEYS 4          /* keys whose scores accumulate together, for two row groups: 8 chains */
+#define VALUE_VECTORS 2       /* 16 columns of four rows' outputs: 8 accumulators */
+
+static int lanes_path_fits(int64_t head_dim) { return head_dim % LANES == 0; }
+
+/* Scratch floats prefill_task_lanes needs for ``groups`` row groups. */
+static int64_t prefill_lanes_scratch_floats(int64_t groups, int64_t head_dim) {
+    return groups * LANES * (2 * head_dim + 3)                     /* queries, outputs, max, sum, positions */
+           + 2 * PREFILL_KEY_BLOCK * head_dim                      /* the block's K and V rows, float32 */
+           + PREFILL_KEY_BLOCK * LANES + LANES;                    /* probabilities [key][row], corrections */
+}
+
+/* One token's row of one KV head as float32 (bfloat16 widened by a shift: exact). */
+static inline void load_head_row(const void *cache, int is_bf16, int64_t at, int64_t head_dim, float *restrict dst) {
+    if (!is_bf16) {
+        memcpy(dst, (const float *)cache + at, sizeof(float) * head_dim);
+        return;
+    }
+    const bf16_t *src = (const bf16_t *)cache + at;
+    for (int64_t d = 0; d < head_dim; d += LANES) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d)));
+        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+}
+
+/* Four rows' outputs (row r at o + r * head_dim), columns [d0, d0 + 8 * nv) <- o * correction
+ * + sum over the block's keys of p[key][row] * V[key]; ``p`` points at the first row's lane of
+ * [key][LANES]. Per key: nv V loads and 4 broadcasts for 4 * nv multiply-adds. */
+static inline __attribute__((always_inline)) void values_four_rows(
+        const int nv, float *restrict o, const float *restrict p, const float *restrict correction,
+        const float *restrict vb, int64_t keys, int64_t head_dim, int64_t d0) {
+    __m256 acc[4][VALUE_VECTORS];
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; ++r) {
+        const __m256 c = _mm256_set1_ps(correction[r]);
+        _Pragma("GCC unroll 2") for (int j = 0; j < nv; ++j)
+            acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(o + r * head_dim + d0 + LANES * j), c);
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+        __m256 v[VALUE_VECTORS];
+        _Pragma("GCC unroll 2") for (int j = 0; j < nv; ++j) {
+            v[j] = _mm256_loadu_ps(vb + t * head_dim + d0 + LANES * j);
+            /* keep v in a register: gcc otherwise folds the load into each of the four
+             * multiply-adds, and four 256-bit loads per vector outrun the load ports */
+            __asm__("" : "+x"(v[j]));
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; ++r) {
+            const __m256 b = _mm256_broadcast_ss(p + t * LANES + r);
+            _Pragma("GCC unroll 2") for (int j = 0; j < nv; ++j) acc[r][j] = _mm256_fmadd_ps(b, v[j], acc[r][j]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; ++r)
+        _Pragma("GCC unroll 2") for (int j = 0; j < nv; ++j) _mm256_storeu_ps(o + r * head_dim + d0 + LANES * j, acc[r][j]);
+}
+
+/* s[k][t] = q . K[t] for ng (1 or 2) row groups k, the queries as [group][head_dim][LANES]
+ * (scaled), K as the block's rows [KEY_BLOCK][head_dim]. Per step of d and 4 keys: ng query
+ * vectors and 4 broadcasts of K for 4 * ng multiply-adds (broadcasts issue at most 2 a cycle
+ * here, so 8 keys x 1 group, one broadcast per multiply-add, left the FMA units half idle). */
+static inline __attribute__((always_inline)) void scores_of_groups(
+        const int ng, const float *restrict q, const float *restrict kb, int64_t head_dim,
+        __m256 s[2][PREFILL_KEY_BLOCK]) {
+    for (int t0 = 0; t0 < PREFILL_KEY_BLOCK; t0 += SCORE_KEYS) {
+        __m256 acc[2][SCORE_KEYS];
+        _Pragma("GCC unroll 2") for (int k = 0; k < ng; ++k)
+            _Pragma("GCC unroll 4") for (int u = 0; u < SCORE_KEYS; ++u) acc[k][u] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; ++d) {
+            __m256 qv[2];
+            _Pragma("GCC unroll 2") for (int k = 0; k < ng; ++k) {
+                qv[k] = _mm256_loadu_ps(q + (k * head_dim + d) * LANES);
+                __asm__("" : "+x"(qv[k]));   /* one load, not one folded into each multiply-add */
+            }
+            _Pragma("GCC unroll 4") for (int u = 0; u < SCORE_KEYS; ++u) {
+                const __m256 b = _mm256_broadcast_ss(kb + (t0 + u) * head_dim + d);
+                _Pragma("GCC unroll 2") for (int k = 0; k < ng; ++k) acc[k][u] = _mm256_fmadd_ps(qv[k], b, acc[k][u]);
+            }
+        }
+        _Pragma("GCC unroll 2") for (int k = 0; k < ng; ++k)
+            _Pragma("GCC unroll 4") for (int u = 0; u < SCORE_KEYS; ++u) s[k][t0 + u] = acc[k][u];
+    }
+}
+
+static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
+                               int64_t context_len, const int32_t *table, const void *key_cache,
+                               const void *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale, float *restrict scratch) {
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t real_rows = group * (i1 - i0), groups = (real_rows + LANES - 1) / LANES;
+    float *restrict qt = scratch;                                   /* [groups][head_dim][LANES], scaled */
+    float *restrict o = qt + groups * head_dim * LANES;             /* [groups * LANES][head_dim] */
+    float *restrict row_max = o + groups * LANES * head_dim;        /* [groups * LANES] */
+    float *restrict row_sum = row_max + groups * LANES;             /* [groups * LANES] */
+    int32_t *restrict position = (int32_t *)(row_sum + groups * LANES);   /* each row's query position; -1: padding */
+    float *restrict kb = (float *)(position + groups * LANES);     /* [KEY_BLOCK][head_dim] */
+    float *restrict vb = kb + PREFILL_KEY_BLOCK * head_dim;         /* [KEY_BLOCK][head_dim] */
+    float *restrict p = vb + PREFILL_KEY_BLOCK * head_dim;          /* [KEY_BLOCK][LANES] of one row group */
+    float *restrict correction = p + PREFILL_KEY_BLOCK * LANES;     /* [LANES] */
+    for (int64_t r = 0; r < groups * LANES; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        float *qr = qt + (r / LANES) * head_dim * LANES + r % LANES;
+        for (int64_t d = 0; d < head_dim; ++d)
+            qr[d * LANES] = r < real_rows ? scale * load_element(query, is_bf16, ((row0 + i) * num_heads + h) * head_dim + d) : 0.0f;
+        memset(o + r * head_dim, 0, sizeof(float) * head_dim);
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+        position[r] = r < real_rows ? (int32_t)(context_len + i) : -1;
+    }
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
+    for (int64_t j0 = 0; j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
+        const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
+        for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
+            if (t < keys) {
+                const int64_t at = token_offset(table, j0 + t, block_size, token_stride) + g * head_dim;
+                load_head_row(key_cache, is_bf16, at, head_dim, kb + t * head_dim);
+                load_head_row(value_cache, is_bf16, at, head_dim, vb + t * head_dim);
+            } else {   /* past the keys: zeros (never NaN from memory), masked below */
+                memset(kb + t * head_dim, 0, sizeof(float) * head_dim);
+                memset(vb + t * head_dim, 0, sizeof(float) * head_dim);
+            }
+        }
+        /* Rows are in query order: the first groups may have the whole block in their future
+         * (their last query is before j0); every group after the first that sees it does too. */
+        int64_t first = 0;
+        while (first < groups) {
+            const int64_t last_row = (first + 1) * LANES < real_rows ? (first + 1) * LANES - 1 : real_rows - 1;
+            if (context_len + i0 + last_row / group >= j0) break;
+            ++first;
+        }
+        for (int64_t g0 = first; g0 < groups; g0 += 2) {
+            const int ng = groups - g0 >= 2 ? 2 : 1;
+            __m256 scores[2][PREFILL_KEY_BLOCK];
+            if (ng == 2) scores_of_groups(2, qt + g0 * head_dim * LANES, kb, head_dim, scores);
+            else scores_of_groups(1, qt + g0 * head_dim * LANES, kb, head_dim, scores);
+          for (int k = 0; k < ng; ++k) {
+            const int64_t gi = g0 + k;
+            __m256 *s = scores[k];
+            /* causal mask: row r sees key j0 + t when t < keys and position[r] >= j0 + t */
+            const __m256i pos = _mm256_loadu_si256((const __m256i *)(position + gi * LANES));
+            __m256 visible[PREFILL_KEY_BLOCK];
+            const __m256 old_max = _mm256_loadu_ps(row_max + gi * LANES);
+            __m256 top = old_max;
+            _Pragma("GCC unroll 16") for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
+                visible[t] = t < keys ? _mm256_castsi256_ps(_mm256_cmpgt_epi32(pos, _mm256_set1_epi32((int)(j0 + t - 1))))
+                                      : _mm256_setzero_ps();
+                s[t] = _mm256_blendv_ps(minus_inf, s[t], visible[t]);
+                top = _mm256_max_ps(top, s[t]);
+            }
+            /* exp_ps clamps its argument from below, and -inf - -inf (a row that has seen no key
+             * yet) is NaN, which the clamp's max_ps also replaces: the correction is then ~0
+             * times a zero output and sum. Masked probabilities are zeroed outright. */
+            const __m256 scale_old = exp_ps(_mm256_sub_ps(old_max, top));
+            __m256 block_sum = _mm256_setzero_ps();
+            _Pragma("GCC unroll 16") for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
+                const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(s[t], top)), visible[t]);
+                _mm256_storeu_ps(p + t * LANES, e);
+                block_sum = _mm256_add_ps(block_sum, e);
+            }
+            _mm256_storeu_ps(row_max + gi * LANES, top);
+            _mm256_storeu_ps(row_sum + gi * LANES, _mm256_fmadd_ps(_mm256_loadu_ps(row_sum + gi * LANES), scale_old, block_sum));
+            _mm256_storeu_ps(correction, scale_old);
+            for (int rr = 0; rr < LANES && gi * LANES + rr < real_rows; rr += 4) {   /* rows past real_rows: padding */
+                float *o4 = o + (gi * LANES + rr) * head_dim;
+                int64_t d0 = 0;
+                for (; d0 + LANES * VALUE_VECTORS <= head_dim; d0 += LANES * VALUE_VECTORS)
+                    values_four_rows(VALUE_VECTORS, o4, p + rr, correction + rr, vb, keys, head_dim, d0);
+                if (d0 < head_dim) values_four_rows(1, o4, p + rr, correction + rr, vb, keys, head_dim, d0);
+            }
+          }
+        }
+    }
+    for (int64_t r = 0; r < real_rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        const int64_t at = ((row0 + i) * num_heads + h) * head_dim;
+        const float inv = 1.0f / row_sum[r];
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const float value = o[r * head_dim + d] * inv;
+            if (is_bf16) ((bf16_t *)out)[at + d] = f32_to_bf16(value);
+            else ((float *)out)[at + d] = value;
+        }
+    }
+}
+#define PREFILL_LANES_PATH 1
+#else
+#define PREFILL_LANES_PATH 0
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* prefill_task for bfloat16 where the compiler targets AVX512_BF16 and head_dim is 32, 64 or 128
@@ -856,6 +1065,20 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
             continue;
         }
 #endif
+#if PREFILL_LANES_PATH
+        if (lanes_path_fits(head_dim)) {
+            float *scratch = malloc(sizeof(float) * prefill_lanes_scratch_floats((rows + LANES - 1) / LANES, head_dim));
+            if (scratch == NULL) {
+                failed = 1;
+                continue;
+            }
+            prefill_task_lanes(query, out, is_bf16, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
+                               block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
+                               num_kv_heads, head_dim, block_size, scale, scratch);
+            free(scratch);
+            continue;
+        }
+#endif
         float *scratch = malloc(sizeof(float) * prefill_scratch_floats(rows, head_dim));
         if (scratch == NULL) {
             failed = 1;
@@ -867,6 +1090,20 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+/* Which task function this build runs for prefill rows of this dtype and head size: 0 prefill_task
+ * (generic C), 1 prefill_task_lanes (AVX2), 2 prefill_task_dp (AVX512_BF16). Tests name with it
+ * what they exercised. */
+int prefill_attention_path(int is_bf16, int64_t head_dim) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (is_bf16 && dp_path_fits(head_dim)) return 2;
+#endif
+#if PREFILL_LANES_PATH
+    if (lanes_path_fits(head_dim)) return 1;
+#endif
+    (void)is_bf16, (void)head_dim;
+    return 0;
 }
 
 int paged_prefill_attention_f32(const float *query, float *out, const int64_t *q_starts, const int64_t *q_lens,
