@@ -100,8 +100,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     for name in ("decode_attention_bf16_vector_width", "decode_attention_bf16_dot_product"):
         getattr(library, name).restype = ctypes.c_int
         getattr(library, name).argtypes = []
-    library.prefill_attention_path.restype = ctypes.c_int
-    library.prefill_attention_path.argtypes = [ctypes.c_int, _I64]
+    for name in ("decode_attention_path", "prefill_attention_path"):
+        getattr(library, name).restype = ctypes.c_int
+        getattr(library, name).argtypes = [ctypes.c_int, _I64]
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
     library.linear_bf16_isa.restype = ctypes.c_int

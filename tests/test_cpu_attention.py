@@ -270,14 +270,16 @@ KERNEL_VERSIONS = {
     "plain-c": (("-mno-avx2",), 1, False, set()),
 }
 
-# The prefill task functions of paged_attention.c, as prefill_attention_path() numbers them.
+# The decode and prefill functions of paged_attention.c, as decode_attention_path() and
+# prefill_attention_path() number them.
+DECODE_PATHS = {0: "generic C", 1: "AVX2 8-token", 2: "AVX512_BF16 dot products"}
 PREFILL_PATHS = {0: "generic C", 1: "AVX2 rows-in-lanes", 2: "AVX512_BF16 dot products"}
 
 
-def expected_prefill_path(version: str, dtype: torch.dtype, head_dim: int) -> int:
-    """Which prefill task a build of ``version`` must run: the AVX512_BF16 one for bfloat16 at
-    head sizes 32, 64 and 128, the AVX2 one (AVX2 builds only) at head sizes that are a multiple
-    of 8, the generic one for everything else."""
+def expected_attention_path(version: str, dtype: torch.dtype, head_dim: int) -> int:
+    """Which decode or prefill function a build of ``version`` must run (both follow the same
+    rule): the AVX512_BF16 one for bfloat16 at head sizes 32, 64 and 128, the AVX2 one (AVX2
+    builds only) at head sizes that are a multiple of 8, the generic one for everything else."""
     if version == "avx512-bf16" and dtype == torch.bfloat16 and head_dim in (32, 64, 128):
         return 2
     if version == "avx2" and head_dim % 8 == 0:
@@ -324,8 +326,11 @@ def test_the_engine_build_uses_the_widest_version_the_cpu_has() -> None:
                else "avx2" if {"avx2", "fma"} <= flags else "plain-c")
     for dtype in DTYPES:
         path = library.prefill_attention_path(int(dtype == torch.bfloat16), 64)
-        assert path == expected_prefill_path(version, dtype, 64), (
+        assert path == expected_attention_path(version, dtype, 64), (
             f"{dtype} prefill at head_dim 64 runs the {PREFILL_PATHS[path]} task on this {version} CPU")
+        path = library.decode_attention_path(int(dtype == torch.bfloat16), 64)
+        assert path == expected_attention_path(version, dtype, 64), (
+            f"{dtype} decode at head_dim 64 runs the {DECODE_PATHS[path]} function on this {version} CPU")
 
 
 def direct_decode(batch: PagedBatch, library, scale: float) -> torch.Tensor:
@@ -349,9 +354,13 @@ ODD_SHAPES = [(6, 2, 40, 16), (4, 1, 72, 8), (3, 3, 12, 16), (4, 2, 64, 1), (6, 
 def test_each_kernel_version_matches_reference(kernel_version, dtype: torch.dtype,
                                                shape: tuple[int, int, int, int]) -> None:
     """Decode batches (NaN in every slot no sequence owns) through one build of the kernel,
-    on 1 and 3 threads."""
+    on 1 and 3 threads. The build must run the function its version and the head size call for
+    (the failure message names it)."""
     name, library = kernel_version
     num_heads, num_kv_heads, head_dim, block_size = shape
+    path = library.decode_attention_path(int(dtype == torch.bfloat16), head_dim)
+    assert path == expected_attention_path(name, dtype, head_dim), f"the {name} build runs {DECODE_PATHS[path]}"
+    name = f"{name} build ({DECODE_PATHS[path]} decode)"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     # One empty context, one past several blocks (and the prefetch distance), and random ones.
@@ -367,7 +376,7 @@ def test_each_kernel_version_matches_reference(kernel_version, dtype: torch.dtyp
             actual = direct_decode(batch, library, scale)
         finally:
             torch.set_num_threads(1)
-        check(actual, expected, dtype, f"{name} build, {threads} threads, seed {seed}, specs {specs}")
+        check(actual, expected, dtype, f"{name}, {threads} threads, seed {seed}, specs {specs}")
 
 
 @c_kernel_only
@@ -404,7 +413,7 @@ def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: to
     name, library = kernel_version
     num_heads, num_kv_heads, head_dim, block_size = shape
     path = library.prefill_attention_path(int(dtype == torch.bfloat16), head_dim)
-    assert path == expected_prefill_path(name, dtype, head_dim), f"the {name} build runs {PREFILL_PATHS[path]}"
+    assert path == expected_attention_path(name, dtype, head_dim), f"the {name} build runs {PREFILL_PATHS[path]}"
     name = f"{name} build ({PREFILL_PATHS[path]} prefill task)"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
