@@ -107,3 +107,18 @@ def test_prefill_roofline_benchmark_runs(tmp_path: Path) -> None:
     assert [row["dtype"] for row in result["rows"]] == ["float32", "bfloat16"]
     assert all(row["gflops"] > 0 and row["step_ms"] > 0 for row in result["rows"])
     assert result["peak_gflops"]["float32"] > 0
+
+
+def test_cpu_attention_benchmark_runs() -> None:
+    """The attention comparison (docs/benchmarks.md) runs both builds in both dtypes, names the
+    function the engine's build runs, and the two builds' outputs agree."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_attention", "--seqs", "3", "--context", "40",
+                           "--layers", "2", "--prompt", "40", "--rounds", "1"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| torch.")]
+    assert [(row[0].strip(), row[1].split()[0]) for row in rows] == [
+        ("torch.float32", "decode"), ("torch.float32", "prefill"), ("torch.bfloat16", "decode"),
+        ("torch.bfloat16", "prefill")]
+    assert all(row[2].strip() in ("generic", "avx2", "avx512-bf16") for row in rows)
+    assert all(float(row[8]) < 1e-2 for row in rows), done.stdout

@@ -33,7 +33,9 @@
  * horizontal sums and per-head re-reads, not the products, were the cost.
  * AVX2 builds (no AVX-512) take attend_sequence_avx2 instead, both dtypes, where head_dim is a
  * multiple of 8: 8 tokens' scores reduced at once and outputs kept in registers over the tokens
- * (~1.4x attend_sequence on float32, ~1.6x on bfloat16, on the 2-core Zen 3 EPYC).
+ * (on the 2-core Zen 3 EPYC, 1.4-1.5x attend_sequence in float32 and 1.6-1.8x in bfloat16 with
+ * the cache in L3; streaming 30 layers' caches from DRAM, 1.24x in bfloat16 and no change in
+ * float32, which is held by the memory side: docs/benchmarks.md).
  * decode_attention_path() says which function a build runs.
  */
 #include <math.h>
@@ -286,7 +288,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LLM_GENERIC_ATTENTION)
 /* ---- decode on AVX2 builds (float32 or bfloat16 pages, head_dim a multiple of 8) ----------
  *
  * attend_sequence on the 2-core AVX2 EPYC (Zen 3) took ~32 ms of a 105 ms float32 decode step
@@ -297,7 +299,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
  *     the 8 scores in one vector (reduce_8);
  *   - P x V: per KV head, up to 3 of its query heads x 32 columns of output stay in 12
  *     registers for the whole pass over the tokens, each V vector loaded once for them.
- * Summation orders differ from attend_sequence's; both are float32 throughout. */
+ * Summation orders differ from attend_sequence's; both are float32 throughout. From DRAM the
+ * float32 scores pass still reads K at ~10 GB/s where a plain read of the same rows reaches ~20:
+ * prefetch distance and huge pages did not move it (docs/benchmarks.md, "AVX2 attention"). */
 #define DECODE_TOKENS 8          /* tokens whose scores one pass computes: 8 accumulators */
 #define DECODE_HEADS 3           /* query heads of a KV head accumulated together */
 #define DECODE_VECTORS 4         /* 32 columns: 3 x 4 accumulators */
@@ -808,7 +812,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LLM_GENERIC_ATTENTION)
 /* prefill_task for AVX2 builds, float32 or bfloat16 pages, head_dim a multiple of 8
  * (lanes_path_fits). On the 2-core AVX2 EPYC (Zen 3) prefill_task reached ~45 GFLOP/s on two
  * threads, a quarter of the FMA peak: its 8 rows x 16 keys of scores need all 16 ymm registers

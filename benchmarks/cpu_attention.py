@@ -1,0 +1,130 @@
+"""The CPU attention kernels against their generic versions, on one machine, side by side.
+
+The engine's build of kernels/csrc/paged_attention.c picks, at compile time, the fastest
+decode and prefill functions the CPU has (``decode_attention_path()`` /
+``prefill_attention_path()``: the AVX2 ones on AVX2-only CPUs, the AVX512_BF16 dot-product ones
+for bfloat16 where the CPU has it). A second build with ``-DLLM_GENERIC_ATTENTION`` keeps only
+the generic functions on AVX2 builds. Both run the same data, alternating round by round (the
+machines are shared; the best round counts), and their outputs are compared.
+
+- decode: ``--seqs`` sequences of ~``--context`` tokens, one query each, over ``--layers``
+  distinct caches visited in turn (as a decode step's layers are: the cache streams from DRAM
+  instead of sitting in L3), blocks shuffled or consecutive. Figure of merit: K+V bytes read
+  per second.
+- prefill: one fresh ``--prompt``-token prompt. Figure of merit: causal attention GFLOP/s.
+
+    python -m benchmarks.cpu_attention                      # SmolLM2-135M's shape (9 heads, 3 KV heads, 64)
+    python -m benchmarks.cpu_attention --block-order consecutive   # a fresh server's cache layout
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+from kernels import cpu_native
+from benchmarks.step_cost import cpu_name
+
+PATH_NAMES = {0: "generic", 1: "avx2", 2: "avx512-bf16"}
+
+
+def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                generator: torch.Generator, shuffled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache, block_tables); ``shuffled``: each sequence's blocks scattered over
+    the cache (as in a server that has freed and reused blocks for a while), else consecutive (a
+    fresh server's first requests)."""
+    blocks = [-(-n // block_size) for n in tokens_per_seq]
+    order = (torch.randperm(sum(blocks), generator=generator) if shuffled else torch.arange(sum(blocks))).to(torch.int32)
+    tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
+    start = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = order[start:start + count]
+        start += count
+    shape = (sum(blocks), block_size, num_kv_heads, head_dim)
+    return (torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype),
+            tables)
+
+
+def best_of(rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
+    best = {name: float("inf") for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=30, help="distinct decode caches, visited in turn")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--block-order", choices=("shuffled", "consecutive"), default="shuffled")
+    args = parser.parse_args(argv)
+    libraries = {"engine": cpu_native.load(),
+                 "generic": cpu_native.open_library(cpu_native.build(
+                     cflags=cpu_native.CFLAGS + ("-DLLM_GENERIC_ATTENTION",)))}
+    assert libraries["engine"] is not None, "the C kernels do not build here"
+    generator = torch.Generator().manual_seed(0)
+    scale = args.head_dim ** -0.5
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; heads {args.heads}/{args.kv_heads}, "
+          f"head_dim {args.head_dim}, block {args.block_size}, decode blocks {args.block_order}")
+    print("| dtype | work | engine build's function | engine ms | generic ms | engine | generic | speed-up | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        is_bf16 = int(dtype == torch.bfloat16)
+        # decode: one query row per sequence, contexts spread +-32 around --context
+        lens = [max(1, args.context + int(x)) for x in torch.randint(-32, 33, (args.seqs,), generator=generator)]
+        caches = [paged_cache(lens, args.kv_heads, args.head_dim, args.block_size, dtype, generator,
+                              args.block_order == "shuffled") for _ in range(args.layers)]
+        query = torch.randn(args.seqs, args.heads, args.head_dim, generator=generator).to(dtype)
+        rows, seq_lens = torch.arange(args.seqs), torch.tensor(lens)
+        outs = {name: torch.empty_like(query) for name in libraries}
+
+        def decode(name: str) -> Callable[[], None]:
+            def run() -> None:
+                for key_cache, value_cache, tables in caches:
+                    cpu_native.paged_decode_attention(query, outs[name], rows, seq_lens, tables, key_cache,
+                                                      value_cache, scale, library=libraries[name])
+            return run
+        best = best_of(args.rounds, {name: decode(name) for name in libraries})
+        kv_bytes = sum(lens) * 2 * args.kv_heads * args.head_dim * query.element_size() * args.layers
+        diff = (outs["engine"].float() - outs["generic"].float()).abs().max().item()
+        path = PATH_NAMES[libraries["engine"].decode_attention_path(is_bf16, args.head_dim)]
+        print(f"| {dtype} | decode {args.seqs} x ~{args.context}, {args.layers} layers | {path} | "
+              f"{best['engine'] * 1e3:.2f} | {best['generic'] * 1e3:.2f} | "
+              f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best['generic'] / 1e9:.1f} GB/s | "
+              f"{best['generic'] / best['engine']:.2f}x | {diff:.1e} |")
+
+        # prefill: one fresh prompt
+        key_cache, value_cache, tables = paged_cache([args.prompt], args.kv_heads, args.head_dim, args.block_size,
+                                                     dtype, generator)
+        query = torch.randn(args.prompt, args.heads, args.head_dim, generator=generator).to(dtype)
+        starts, query_lens, seq_lens = torch.tensor([0]), torch.tensor([args.prompt]), torch.tensor([args.prompt])
+        outs = {name: torch.empty_like(query) for name in libraries}
+
+        def prefill(name: str) -> Callable[[], None]:
+            return lambda: cpu_native.paged_prefill_attention(query, outs[name], starts, query_lens, seq_lens, tables,
+                                                              key_cache, value_cache, scale, library=libraries[name])
+        best = best_of(args.rounds, {name: prefill(name) for name in libraries})
+        flops = 2 * 2 * args.heads * args.head_dim * args.prompt * (args.prompt + 1) / 2
+        diff = (outs["engine"].float() - outs["generic"].float()).abs().max().item()
+        path = PATH_NAMES[libraries["engine"].prefill_attention_path(is_bf16, args.head_dim)]
+        print(f"| {dtype} | prefill {args.prompt} tokens | {path} | {best['engine'] * 1e3:.2f} | "
+              f"{best['generic'] * 1e3:.2f} | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
+              f"{flops / best['generic'] / 1e9:.0f} GFLOP/s | {best['generic'] / best['engine']:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
