@@ -828,7 +828,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
  *     once for the four rows, each probability a broadcast.
  * Zen 3 issues at most two broadcasts a cycle: one per multiply-add (a group x 8 keys, or two
  * rows x 32 columns) left the FMA units idle more often: that first version of this path
- * reached 81 GFLOP/s (float32, 2 threads, 512-token prompt), this one 92-100. Same
+ * reached 81 GFLOP/s (float32, 2 threads, 512-token prompt), this one 92-118. Same
  * flash-attention walk as prefill_task (tasks, key blocks of 16, causal skip), and ~2x its
  * speed on a 512-token prompt (docs/benchmarks.md, "Prefill against the compute roofline"). */
 #define LANES 8
