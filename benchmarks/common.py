@@ -1,4 +1,5 @@
-"""Shared helpers of the GPU benchmarks: timing, the device's copy bandwidth, result files."""
+"""Shared helpers of the benchmarks: timing (CUDA events or wall clock; alternating best-of
+rounds on CPU), the device's copy bandwidth, result files."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters:
             samples.append((time.perf_counter() - t0) * 1e3)
     samples.sort()
     return samples[len(samples) // 2]
+
+
+def best_of(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Best wall-clock seconds of each run over ``rounds`` rounds, the runs alternating within a
+    round (CPU machines are shared and drift: alternation keeps the comparison fair, the best
+    round is the one the host disturbed least)."""
+    best = {name: float("inf") for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 1 << 30) -> float:

@@ -1,9 +1,8 @@
 """The CPU attention kernels against their generic versions, on one machine, side by side.
 
 The engine's build of kernels/csrc/paged_attention.c picks, at compile time, the fastest
-decode and prefill functions the CPU has (``decode_attention_path()`` /
-``prefill_attention_path()``: the AVX2 ones on AVX2-only CPUs, the AVX512_BF16 dot-product ones
-for bfloat16 where the CPU has it). A second build with ``-DLLM_GENERIC_ATTENTION`` keeps only
+decode and prefill functions the CPU has (``cpu_native.attention_path``: the AVX2 ones on
+AVX2-only CPUs, the AVX512_BF16 dot-product ones for bfloat16 where the CPU has it). A second build with ``-DLLM_GENERIC_ATTENTION`` keeps only
 the generic functions on AVX2 builds. Both run the same data, alternating round by round (the
 machines are shared; the best round counts), and their outputs are compared.
 
@@ -20,16 +19,13 @@ machines are shared; the best round counts), and their outputs are compared.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import torch
 
-from kernels import cpu_native
+from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
-
-PATH_NAMES = {0: "generic", 1: "avx2", 2: "avx512-bf16"}
-
+from kernels import cpu_native
 
 def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                 generator: torch.Generator, shuffled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,16 +42,6 @@ def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, blo
     shape = (sum(blocks), block_size, num_kv_heads, head_dim)
     return (torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype),
             tables)
-
-
-def best_of(rounds: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
-    best = {name: float("inf") for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +69,6 @@ def main(argv: list[str] | None = None) -> None:
     print("| dtype | work | engine build's function | engine ms | generic ms | engine | generic | speed-up | max diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
-        is_bf16 = int(dtype == torch.bfloat16)
         # decode: one query row per sequence, contexts spread +-32 around --context
         lens = [max(1, args.context + int(x)) for x in torch.randint(-32, 33, (args.seqs,), generator=generator)]
         caches = [paged_cache(lens, args.kv_heads, args.head_dim, args.block_size, dtype, generator,
@@ -101,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         best = best_of(args.rounds, {name: decode(name) for name in libraries})
         kv_bytes = sum(lens) * 2 * args.kv_heads * args.head_dim * query.element_size() * args.layers
         diff = (outs["engine"].float() - outs["generic"].float()).abs().max().item()
-        path = PATH_NAMES[libraries["engine"].decode_attention_path(is_bf16, args.head_dim)]
+        path = cpu_native.attention_path(dtype, args.head_dim, libraries["engine"])
         print(f"| {dtype} | decode {args.seqs} x ~{args.context}, {args.layers} layers | {path} | "
               f"{best['engine'] * 1e3:.2f} | {best['generic'] * 1e3:.2f} | "
               f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best['generic'] / 1e9:.1f} GB/s | "
@@ -120,7 +105,6 @@ def main(argv: list[str] | None = None) -> None:
         best = best_of(args.rounds, {name: prefill(name) for name in libraries})
         flops = 2 * 2 * args.heads * args.head_dim * args.prompt * (args.prompt + 1) / 2
         diff = (outs["engine"].float() - outs["generic"].float()).abs().max().item()
-        path = PATH_NAMES[libraries["engine"].prefill_attention_path(is_bf16, args.head_dim)]
         print(f"| {dtype} | prefill {args.prompt} tokens | {path} | {best['engine'] * 1e3:.2f} | "
               f"{best['generic'] * 1e3:.2f} | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
               f"{flops / best['generic'] / 1e9:.0f} GFLOP/s | {best['generic'] / best['engine']:.2f}x | {diff:.1e} |")

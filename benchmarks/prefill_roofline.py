@@ -39,6 +39,7 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import detect
 from backend.model.cpu_linear import PackedLinear, native_kernel_available, native_linear, onednn_packing_available
+from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
 
 # Twelve independent accumulators: more than FMA latency x FMA ports on the CPUs we meet
@@ -158,19 +159,11 @@ def best_matmul_gflops(arch: ModelArchitecture, dtype: torch.dtype, rows: int, r
         paths["native"] = native_linear(weight, None)
     if onednn_packing_available(dtype):
         paths["onednn"] = PackedLinear(weight, None)
-    rates = {}
     with torch.inference_mode():
-        for name, layer in paths.items():
-            layer(x)
-            best = min(_timed(lambda: layer(x)) for _ in range(rounds))
-            rates[name] = 2 * rows * k * n / best / 1e9
-    return rates
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+        for layer in paths.values():
+            layer(x)                          # first call: packing caches, page faults
+        best = best_of(rounds, {name: (lambda layer=layer: layer(x)) for name, layer in paths.items()})
+    return {name: 2 * rows * k * n / seconds / 1e9 for name, seconds in best.items()}
 
 
 def prefill_step_seconds(engines: dict[str, Engine], tokens: int, rounds: int) -> dict[str, float]:

@@ -100,9 +100,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     for name in ("decode_attention_bf16_vector_width", "decode_attention_bf16_dot_product"):
         getattr(library, name).restype = ctypes.c_int
         getattr(library, name).argtypes = []
-    for name in ("decode_attention_path", "prefill_attention_path"):
-        getattr(library, name).restype = ctypes.c_int
-        getattr(library, name).argtypes = [ctypes.c_int, _I64]
+    library.attention_path.restype = ctypes.c_int
+    library.attention_path.argtypes = [ctypes.c_int, _I64]
     library.linear_f32_supported.restype = ctypes.c_int
     library.linear_f32_supported.argtypes = []
     library.linear_bf16_isa.restype = ctypes.c_int
@@ -153,6 +152,18 @@ def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed:
         if status != 0:
             raise MemoryError(f"{kernel}: scratch allocation failed")
     return out
+
+
+# attention_path()'s answer (paged_attention.c's enum attention_path) -> the functions a build runs.
+ATTENTION_PATHS = {0: "generic", 1: "avx2", 2: "avx512-bf16"}
+
+
+def attention_path(dtype: torch.dtype, head_dim: int, library: ctypes.CDLL | None = None) -> str:
+    """Which decode and prefill attention functions a build runs for this dtype and head size
+    (one rule for both): ``avx512-bf16`` (bfloat16 dot products), ``avx2`` or ``generic``."""
+    library = load() if library is None else library
+    assert library is not None, "check load() before calling"
+    return ATTENTION_PATHS[library.attention_path(int(dtype == torch.bfloat16), head_dim)]
 
 
 # linear_bf16_isa()'s answer -> the version of the bfloat16 kernels a library was built with.

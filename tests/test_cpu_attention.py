@@ -270,21 +270,16 @@ KERNEL_VERSIONS = {
     "plain-c": (("-mno-avx2",), 1, False, set()),
 }
 
-# The decode and prefill functions of paged_attention.c, as decode_attention_path() and
-# prefill_attention_path() number them.
-DECODE_PATHS = {0: "generic C", 1: "AVX2 8-token", 2: "AVX512_BF16 dot products"}
-PREFILL_PATHS = {0: "generic C", 1: "AVX2 rows-in-lanes", 2: "AVX512_BF16 dot products"}
-
-
-def expected_attention_path(version: str, dtype: torch.dtype, head_dim: int) -> int:
-    """Which decode or prefill function a build of ``version`` must run (both follow the same
-    rule): the AVX512_BF16 one for bfloat16 at head sizes 32, 64 and 128, the AVX2 one (AVX2
-    builds only) at head sizes that are a multiple of 8, the generic one for everything else."""
+def expected_attention_path(version: str, dtype: torch.dtype, head_dim: int) -> str:
+    """Which decode and prefill functions a build of ``version`` must run (one rule for both, as
+    ``cpu_native.attention_path`` names them): the AVX512_BF16 ones for bfloat16 at head sizes 32,
+    64 and 128, the AVX2 ones (AVX2 builds only) at head sizes that are a multiple of 8, the
+    generic ones for everything else."""
     if version == "avx512-bf16" and dtype == torch.bfloat16 and head_dim in (32, 64, 128):
-        return 2
+        return "avx512-bf16"
     if version == "avx2" and head_dim % 8 == 0:
-        return 1
-    return 0
+        return "avx2"
+    return "generic"
 
 
 @pytest.fixture(scope="module", params=list(KERNEL_VERSIONS))
@@ -325,12 +320,9 @@ def test_the_engine_build_uses_the_widest_version_the_cpu_has() -> None:
     version = ("avx512-bf16" if {"avx512f", "avx512_bf16"} <= flags else "avx512f" if "avx512f" in flags
                else "avx2" if {"avx2", "fma"} <= flags else "plain-c")
     for dtype in DTYPES:
-        path = library.prefill_attention_path(int(dtype == torch.bfloat16), 64)
+        path = cpu_native.attention_path(dtype, 64, library)
         assert path == expected_attention_path(version, dtype, 64), (
-            f"{dtype} prefill at head_dim 64 runs the {PREFILL_PATHS[path]} task on this {version} CPU")
-        path = library.decode_attention_path(int(dtype == torch.bfloat16), 64)
-        assert path == expected_attention_path(version, dtype, 64), (
-            f"{dtype} decode at head_dim 64 runs the {DECODE_PATHS[path]} function on this {version} CPU")
+            f"{dtype} attention at head_dim 64 runs the {path} functions on this {version} CPU")
 
 
 def direct_decode(batch: PagedBatch, library, scale: float) -> torch.Tensor:
@@ -358,9 +350,9 @@ def test_each_kernel_version_matches_reference(kernel_version, dtype: torch.dtyp
     (the failure message names it)."""
     name, library = kernel_version
     num_heads, num_kv_heads, head_dim, block_size = shape
-    path = library.decode_attention_path(int(dtype == torch.bfloat16), head_dim)
-    assert path == expected_attention_path(name, dtype, head_dim), f"the {name} build runs {DECODE_PATHS[path]}"
-    name = f"{name} build ({DECODE_PATHS[path]} decode)"
+    path = cpu_native.attention_path(dtype, head_dim, library)
+    assert path == expected_attention_path(name, dtype, head_dim), f"the {name} build runs the {path} functions"
+    name = f"{name} build ({path} decode)"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     # One empty context, one past several blocks (and the prefetch distance), and random ones.
@@ -412,9 +404,9 @@ def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: to
     (the failure message names it)."""
     name, library = kernel_version
     num_heads, num_kv_heads, head_dim, block_size = shape
-    path = library.prefill_attention_path(int(dtype == torch.bfloat16), head_dim)
-    assert path == expected_attention_path(name, dtype, head_dim), f"the {name} build runs {PREFILL_PATHS[path]}"
-    name = f"{name} build ({PREFILL_PATHS[path]} prefill task)"
+    path = cpu_native.attention_path(dtype, head_dim, library)
+    assert path == expected_attention_path(name, dtype, head_dim), f"the {name} build runs the {path} functions"
+    name = f"{name} build ({path} prefill)"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     specs = [(0, rng.randrange(2, 80)), (rng.randrange(1, 120), rng.randrange(2, 70)), (rng.randrange(1, 40), 1)]

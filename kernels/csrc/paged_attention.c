@@ -36,7 +36,7 @@
  * (on the 2-core Zen 3 EPYC, 1.4-1.5x attend_sequence in float32 and 1.6-1.8x in bfloat16 with
  * the cache in L3; streaming 30 layers' caches from DRAM, 1.24x in bfloat16 and no change in
  * float32, which is held by the memory side: docs/benchmarks.md).
- * decode_attention_path() says which function a build runs.
+ * attention_path() says which function a build runs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +47,15 @@
 #endif
 
 #include "bf16.h"
+
+/* AVX2 builds (AVX2 + FMA, no AVX-512) have decode and prefill functions of their own; a build
+ * with -DLLM_GENERIC_ATTENTION keeps only the generic ones (benchmarks/cpu_attention.py compares
+ * the two builds). attention_path() below is the one rule for which function runs. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LLM_GENERIC_ATTENTION)
+#define AVX2_ATTENTION 1
+#else
+#define AVX2_ATTENTION 0
+#endif
 
 /* How far ahead of the token being read its K or V row is prefetched. A sequence's blocks
  * can sit anywhere in the cache (they do once a server has freed and reused blocks for a
@@ -288,7 +297,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LLM_GENERIC_ATTENTION)
+#if AVX2_ATTENTION
 /* ---- decode on AVX2 builds (float32 or bfloat16 pages, head_dim a multiple of 8) ----------
  *
  * attend_sequence on the 2-core AVX2 EPYC (Zen 3) took ~32 ms of a 105 ms float32 decode step
@@ -305,8 +314,6 @@ static inline __attribute__((always_inline)) void attend_sequence(
 #define DECODE_TOKENS 8          /* tokens whose scores one pass computes: 8 accumulators */
 #define DECODE_HEADS 3           /* query heads of a KV head accumulated together */
 #define DECODE_VECTORS 4         /* 32 columns: 3 x 4 accumulators */
-
-static int decode_avx2_fits(int64_t head_dim) { return head_dim % 8 == 0; }
 
 /* 8 floats from a K or V row, widened if bfloat16. */
 static inline __attribute__((always_inline)) __m256 load8(const void *cache, int is_bf16, int64_t at) {
@@ -407,9 +414,6 @@ static inline __attribute__((always_inline)) void attend_sequence_avx2(
         }
     }
 }
-#define DECODE_AVX2_PATH 1
-#else
-#define DECODE_AVX2_PATH 0
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -606,6 +610,22 @@ static int64_t dp_scratch_bytes(int64_t seq_len, int64_t token_stride) {
 }
 #endif
 
+/* Which function this build runs for decode and for prefill rows of this dtype and head size
+ * (the same rule for both): the AVX512_BF16 dot-product ones for bfloat16 at head sizes 32, 64
+ * and 128 where the compiler targets AVX512_BF16, the AVX2 ones at head sizes that are a
+ * multiple of 8 on AVX2 builds, the generic ones otherwise. The dispatchers below ask it, and
+ * the tests, so what they report is what runs. */
+enum attention_path { ATTENTION_GENERIC = 0, ATTENTION_AVX2 = 1, ATTENTION_AVX512_BF16 = 2 };
+
+int attention_path(int is_bf16, int64_t head_dim) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (is_bf16 && dp_path_fits(head_dim)) return ATTENTION_AVX512_BF16;
+#endif
+    if (AVX2_ATTENTION && head_dim % 8 == 0) return ATTENTION_AVX2;
+    (void)is_bf16;
+    return ATTENTION_GENERIC;
+}
+
 /* Returns 0, or -1 when a scratch allocation failed (the caller raises). */
 int paged_decode_attention_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
                                const int32_t *block_tables, int64_t block_table_stride, const float *key_cache,
@@ -621,8 +641,8 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
             continue;
         }
         const int64_t offset = rows[s] * num_heads * head_dim;
-#if DECODE_AVX2_PATH
-        if (decode_avx2_fits(head_dim)) {
+#if AVX2_ATTENTION
+        if (attention_path(0, head_dim) == ATTENTION_AVX2) {
             attend_sequence_avx2(query + offset, out + offset, block_tables + s * block_table_stride, seq_len,
                                  key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale,
                                  scores);
@@ -658,7 +678,7 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
         float *q = scores + num_heads * seq_len, *o = q + width, *v_row = o + width;
         const int64_t offset = rows[s] * width;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-        if (dp_path_fits(head_dim)) {
+        if (attention_path(1, head_dim) == ATTENTION_AVX512_BF16) {
             attend_sequence_dp(query + offset, o, block_tables + s * block_table_stride, seq_len, key_cache,
                                value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, scores,
                                scores + floats);
@@ -666,8 +686,8 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
 #endif
         {
             widen(query + offset, q, width);
-#if DECODE_AVX2_PATH
-            if (decode_avx2_fits(head_dim))
+#if AVX2_ATTENTION
+            if (attention_path(1, head_dim) == ATTENTION_AVX2)
                 attend_sequence_avx2(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
                                      num_heads, num_kv_heads, head_dim, block_size, scale, scores);
             else
@@ -695,8 +715,8 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
  * on the 2-core AVX-512 EPYC. The inner loops are plain C that gcc vectorises for the
  * compiled ISA; exp is exp_ps above where there is one. prefill_task is the generic version
  * (AVX-512F builds, float32, and odd head sizes anywhere); AVX2 builds take prefill_task_lanes
- * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); prefill_attention_path() says
- * which one a build runs. */
+ * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); attention_path() says which one a
+ * build runs. */
 #define PREFILL_KEY_BLOCK 16
 #define PREFILL_QUERY_TILE 32
 #define PREFILL_ROWS_AT_ONCE 8   /* rows whose scores are accumulated together (independent FMA chains) */
@@ -812,9 +832,9 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LLM_GENERIC_ATTENTION)
+#if AVX2_ATTENTION
 /* prefill_task for AVX2 builds, float32 or bfloat16 pages, head_dim a multiple of 8
- * (lanes_path_fits). On the 2-core AVX2 EPYC (Zen 3) prefill_task reached ~45 GFLOP/s on two
+ * (attention_path). On the 2-core AVX2 EPYC (Zen 3) prefill_task reached ~45 GFLOP/s on two
  * threads, a quarter of the FMA peak: its 8 rows x 16 keys of scores need all 16 ymm registers
  * as accumulators (gcc spilled them each step of d), and its online softmax is scalar, row by
  * row. Here the rows of a task lie across the 8 lanes of a vector instead:
@@ -834,8 +854,6 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
 #define LANES 8
 #define SCORE_KEYS 4          /* keys whose scores accumulate together, for two row groups: 8 chains */
 #define VALUE_VECTORS 2       /* 16 columns of four rows' outputs: 8 accumulators */
-
-static int lanes_path_fits(int64_t head_dim) { return head_dim % LANES == 0; }
 
 /* Scratch floats prefill_task_lanes needs for ``groups`` row groups. */
 static int64_t prefill_lanes_scratch_floats(int64_t groups, int64_t head_dim) {
@@ -1013,9 +1031,6 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
         }
     }
 }
-#define PREFILL_LANES_PATH 1
-#else
-#define PREFILL_LANES_PATH 0
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -1192,7 +1207,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         const int64_t task_rows = (group * (i1 - i0) + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
                                   PREFILL_ROWS_AT_ONCE;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-        if (is_bf16 && dp_path_fits(head_dim)) {
+        if (attention_path(is_bf16, head_dim) == ATTENTION_AVX512_BF16) {
             const int64_t dp_rows = (group * PREFILL_QUERY_TILE + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK *
                                     PREFILL_ROW_BLOCK;
             void *scratch = malloc(prefill_dp_scratch_bytes(dp_rows, head_dim));
@@ -1209,8 +1224,8 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
             continue;
         }
 #endif
-#if PREFILL_LANES_PATH
-        if (lanes_path_fits(head_dim)) {
+#if AVX2_ATTENTION
+        if (attention_path(is_bf16, head_dim) == ATTENTION_AVX2) {
             float *scratch = malloc(sizeof(float) * prefill_lanes_scratch_floats((rows + LANES - 1) / LANES, head_dim));
             if (scratch == NULL) {
                 failed = 1;
@@ -1234,33 +1249,6 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         free(scratch);
     }
     return failed ? -1 : 0;
-}
-
-/* Which function this build runs for decode rows of this dtype and head size: 0 attend_sequence
- * (generic), 1 attend_sequence_avx2, 2 attend_sequence_dp (AVX512_BF16). */
-int decode_attention_path(int is_bf16, int64_t head_dim) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    if (is_bf16 && dp_path_fits(head_dim)) return 2;
-#endif
-#if DECODE_AVX2_PATH
-    if (decode_avx2_fits(head_dim)) return 1;
-#endif
-    (void)is_bf16, (void)head_dim;
-    return 0;
-}
-
-/* Which task function this build runs for prefill rows of this dtype and head size: 0 prefill_task
- * (generic C), 1 prefill_task_lanes (AVX2), 2 prefill_task_dp (AVX512_BF16). Tests name with it
- * what they exercised. */
-int prefill_attention_path(int is_bf16, int64_t head_dim) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    if (is_bf16 && dp_path_fits(head_dim)) return 2;
-#endif
-#if PREFILL_LANES_PATH
-    if (lanes_path_fits(head_dim)) return 1;
-#endif
-    (void)is_bf16, (void)head_dim;
-    return 0;
 }
 
 int paged_prefill_attention_f32(const float *query, float *out, const int64_t *q_starts, const int64_t *q_lens,
