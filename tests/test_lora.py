@@ -187,8 +187,10 @@ def test_triton_kernels_and_decode_graphs_match_peft(tiny_llama_with_adapters) -
                                  num_kv_blocks=128, max_num_batched_tokens=32, max_num_seqs=8, max_lora_rank=8))
     runner = engine.runner
     assert runner.lora_slots is not None and runner.lora_slots.backend == LoRABackend.TRITON
+    # Captured on CUDA (the real decode path there), eager on CPU.
     runner.decode_graphs = DecodeGraphs(runner.model, runner.buffers, runner.kv_caches, capture_sizes(8),
-                                        runner.max_model_len, capture=False, lora=runner.lora_slots)
+                                        runner.max_model_len, capture=runner.device.type == "cuda",
+                                        lora=runner.lora_slots)
     graph_steps = 0
     original_run = runner.decode_graphs.run
 

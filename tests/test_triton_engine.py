@@ -57,7 +57,10 @@ def shared_reference(tiny_llama, shared_prompts) -> list[list[int]]:
 def triton_config(folder: Path, **overrides) -> EngineConfig:
     # Fixed token budget: step times under the Triton interpreter say nothing about a GPU, and
     # these tests are about the kernels, not chunk sizing (tests/test_chunk_scheduling.py).
-    return EngineConfig(model=str(folder), attention_backend="triton", **{"itl_target_ms": 0.0, **overrides})
+    # float32, the oracle's dtype: on CUDA dtype=auto means bfloat16, whose rounding changes
+    # greedy tokens after a dozen steps (seen on an H200).
+    return EngineConfig(model=str(folder), attention_backend="triton",
+                        **{"itl_target_ms": 0.0, "dtype": "float32", **overrides})
 
 
 # The configs that hand the kernels different batches: 4-token blocks, chunks over cached
@@ -97,12 +100,16 @@ def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, referenc
     nothing: same tokens, and the padding writes no KV (invariants and no leaks hold)."""
     # Fixed token budget: the steps must be the same whatever the machine's speed, so that some
     # decode-only step has a batch size the graphs pad.
+    # enforce_eager: the test makes the graph runner itself, which captures on CUDA only (the
+    # reference attention syncs with the host, which a graph cannot hold).
     engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
-                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128, itl_target_ms=0.0))
+                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128, itl_target_ms=0.0,
+                                 dtype="float32", enforce_eager=True))
     runner = engine.runner
-    assert runner.decode_graphs is None                      # CPU: no graphs unless asked
+    assert runner.decode_graphs is None
+    capture = runner.device.type == "cuda" and backend == "triton"
     runner.decode_graphs = DecodeGraphs(runner.model, runner.buffers, runner.kv_caches, capture_sizes(16), runner.max_model_len,
-                                       capture=False)
+                                       capture=capture)
     padded_steps = 0
     original_run = runner.decode_graphs.run
 
@@ -125,7 +132,7 @@ def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, prompts, ref
     from backend.worker.model_runner import StepBuffers
 
     engine = Engine(EngineConfig(model=str(tiny_llama[0]), block_size=16, num_kv_blocks=512, max_num_seqs=16,
-                                 max_num_batched_tokens=64))
+                                 max_num_batched_tokens=64, dtype="float32", enforce_eager=True))
     runner = engine.runner
     device_buffers = StepBuffers.allocate(runner.max_tokens, runner.max_seqs, runner.max_blocks_per_seq,
                                           runner.device)
