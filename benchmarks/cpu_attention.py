@@ -2,8 +2,10 @@
 
 The engine's build of kernels/csrc/paged_attention.c picks, at compile time, the fastest
 decode and prefill functions the CPU has (``cpu_native.attention_path``: the AVX2 ones on
-AVX2-only CPUs, the AVX512_BF16 dot-product ones for bfloat16 where the CPU has it). A second build with ``-DLLM_GENERIC_ATTENTION`` keeps only
-the generic functions on AVX2 builds. Both run the same data, alternating round by round (the
+every CPU with AVX2 + FMA, the AVX512_BF16 dot-product ones for bfloat16 where the CPU has it). A
+second build with ``-DLLM_GENERIC_ATTENTION`` keeps only the generic functions. ``--cflags``
+adds flags to both builds (``--cflags=-mno-avx512bf16``: what an AVX-512 CPU without bfloat16
+dot products runs). Both run the same data, alternating round by round (the
 machines are shared; the best round counts), and their outputs are compared.
 
 - decode: ``--seqs`` sequences of ~``--context`` tokens, one query each, over ``--layers``
@@ -57,14 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--block-order", choices=("shuffled", "consecutive"), default="shuffled")
+    parser.add_argument("--cflags", default="", help="more compiler flags for both builds, e.g. -mno-avx512bf16 "
+                                                     "for what an AVX-512 CPU without bfloat16 dot products runs")
     args = parser.parse_args(argv)
-    libraries = {"engine": cpu_native.load(),
+    extra = tuple(args.cflags.split())
+    libraries = {"engine": cpu_native.load() if not extra else cpu_native.open_library(
+                     cpu_native.build(cflags=cpu_native.CFLAGS + extra)),
                  "generic": cpu_native.open_library(cpu_native.build(
-                     cflags=cpu_native.CFLAGS + ("-DLLM_GENERIC_ATTENTION",)))}
+                     cflags=cpu_native.CFLAGS + extra + ("-DLLM_GENERIC_ATTENTION",)))}
     assert libraries["engine"] is not None, "the C kernels do not build here"
     generator = torch.Generator().manual_seed(0)
     scale = args.head_dim ** -0.5
-    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; heads {args.heads}/{args.kv_heads}, "
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, build flags {' '.join(extra) or 'default'}; "
+          f"heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.head_dim}, block {args.block_size}, decode blocks {args.block_order}")
     print("| dtype | work | engine build's function | engine ms | generic ms | engine | generic | speed-up | max diff |")
     print("|---|---|---|---|---|---|---|---|---|")

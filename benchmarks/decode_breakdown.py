@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=5, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--load-format", default=EngineConfig.load_format,
+                        help="dummy: random weights of the folder's shapes (same step time; for a machine without the weights)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         # A fixed token budget (itl_target_ms=0): only decode steps are measured, so the start-up
         # calibration that sizes prefill chunks would be time spent for nothing.
         engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=args.batch, num_kv_blocks=2048,
-                                     enable_prefix_caching=False, itl_target_ms=0.0))
+                                     enable_prefix_caching=False, itl_target_ms=0.0, load_format=args.load_format))
         start_decodes(engine, contexts, random.Random(0))
         measure_round(engine, 2)    # warm-up
         engines[dtype] = engine

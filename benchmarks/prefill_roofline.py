@@ -50,7 +50,7 @@ _PEAK_SOURCE = r"""
 #include <immintrin.h>
 #define CHAINS 12
 #define RUN(type, zero, op, flops_per_op)                                   \
-    type acc[CHAINS], a = init, b = init;                                   \
+    type acc[CHAINS]; __typeof__(init) a = init, b = init;                  \
     for (int c = 0; c < CHAINS; ++c) acc[c] = zero;                         \
     for (int64_t i = 0; i < iters; ++i)                                     \
         _Pragma("GCC unroll 12") for (int c = 0; c < CHAINS; ++c) acc[c] = op; \
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--peak-iters", type=int, default=100_000_000, help="per thread and round (~0.2 s at 3 GHz)")
+    parser.add_argument("--load-format", default=EngineConfig.load_format,
+                        help="dummy: random weights of the folder's shapes (same step time; for a machine without the weights)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     blocks = -(-args.tokens // 16) + 4
     engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=1, num_kv_blocks=blocks,
                                           max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 16,
-                                          itl_target_ms=0.0, enable_prefix_caching=False))
+                                          itl_target_ms=0.0, enable_prefix_caching=False,
+                                          load_format=args.load_format))
                for dtype in dtypes}
     seconds = prefill_step_seconds(engines, args.tokens, args.rounds)
     flops = prefill_flops(arch, args.tokens)

@@ -273,11 +273,11 @@ KERNEL_VERSIONS = {
 def expected_attention_path(version: str, dtype: torch.dtype, head_dim: int) -> str:
     """Which decode and prefill functions a build of ``version`` must run (one rule for both, as
     ``cpu_native.attention_path`` names them): the AVX512_BF16 ones for bfloat16 at head sizes 32,
-    64 and 128, the AVX2 ones (AVX2 builds only) at head sizes that are a multiple of 8, the
-    generic ones for everything else."""
+    64 and 128, the AVX2 ones (every build with AVX2 + FMA, AVX-512 ones included) at head sizes
+    that are a multiple of 8, the generic ones for everything else."""
     if version == "avx512-bf16" and dtype == torch.bfloat16 and head_dim in (32, 64, 128):
         return "avx512-bf16"
-    if version == "avx2" and head_dim % 8 == 0:
+    if version != "plain-c" and head_dim % 8 == 0:
         return "avx2"
     return "generic"
 

@@ -31,7 +31,8 @@
  * a GQA group widened once (~2.8x this path's speed with the cache in L3, ~1.3x from DRAM).
  * Swapping _mm512_dpbf16_ps into this path alone had measured ~3% faster: the per-score
  * horizontal sums and per-head re-reads, not the products, were the cost.
- * AVX2 builds (no AVX-512) take attend_sequence_avx2 instead, both dtypes, where head_dim is a
+ * Every build with AVX2 + FMA (AVX-512 ones too, where the dot-product path does not apply)
+ * takes attend_sequence_avx2 instead, both dtypes, where head_dim is a
  * multiple of 8: 8 tokens' scores reduced at once and outputs kept in registers over the tokens
  * (on the 2-core Zen 3 EPYC, 1.4-1.5x attend_sequence in float32 and 1.6-1.8x in bfloat16 with
  * the cache in L3; streaming 30 layers' caches from DRAM, 1.24x in bfloat16 and no change in
@@ -48,10 +49,13 @@
 
 #include "bf16.h"
 
-/* AVX2 builds (AVX2 + FMA, no AVX-512) have decode and prefill functions of their own; a build
- * with -DLLM_GENERIC_ATTENTION keeps only the generic ones (benchmarks/cpu_attention.py compares
- * the two builds). attention_path() below is the one rule for which function runs. */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LLM_GENERIC_ATTENTION)
+/* Builds with AVX2 + FMA have decode and prefill functions of their own; a build with
+ * -DLLM_GENERIC_ATTENTION keeps only the generic ones (benchmarks/cpu_attention.py compares the
+ * two builds). AVX-512 builds take them too, for float32 and for bfloat16 without AVX512_BF16:
+ * on a 2-core Xeon with AVX-512 (2026-11-26) their prefill ran 2.5-2.7x the generic function's
+ * 512-bit code, decode 1.04-1.05x in float32 and 0.93x in bfloat16 (docs/benchmarks.md).
+ * attention_path() below is the one rule for which function runs. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(LLM_GENERIC_ATTENTION)
 #define AVX2_ATTENTION 1
 #else
 #define AVX2_ATTENTION 0
@@ -128,7 +132,7 @@ static inline __attribute__((always_inline)) float dot_bf16(const float *restric
  * the kernel at 650-token contexts. */
 #define EXP_LOWEST -87.3f   /* below it exp underflows float32; clamped so 2^n stays finite */
 #if defined(__AVX512F__)
-static inline __m512 exp_ps(__m512 x) {
+static inline __m512 exp_ps512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOWEST));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -143,8 +147,9 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 exp_ps(__m256 x) {
+#endif
+#if defined(__AVX2__) && defined(__FMA__)   /* AVX-512 builds too: the AVX2 attention functions use it */
+static inline __m256 exp_ps256(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -179,7 +184,7 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
 #if defined(__AVX512F__)
     __m512 sum = _mm512_setzero_ps();
     for (; t + 16 <= n; t += 16) {
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(max)));
+        const __m512 e = exp_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(max)));
         _mm512_storeu_ps(s + t, e);
         sum = _mm512_add_ps(sum, e);
     }
@@ -187,7 +192,7 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 sum = _mm256_setzero_ps();
     for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(max)));
+        const __m256 e = exp_ps256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(max)));
         _mm256_storeu_ps(s + t, e);
         sum = _mm256_add_ps(sum, e);
     }
@@ -298,7 +303,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
 }
 
 #if AVX2_ATTENTION
-/* ---- decode on AVX2 builds (float32 or bfloat16 pages, head_dim a multiple of 8) ----------
+/* ---- decode on AVX2 + FMA builds (float32 or bfloat16 pages, head_dim a multiple of 8) ----------
  *
  * attend_sequence on the 2-core AVX2 EPYC (Zen 3) took ~32 ms of a 105 ms float32 decode step
  * (16 sequences of ~512 tokens): per token and head, a gcc-vectorised dot product ending in a
@@ -389,7 +394,7 @@ static inline __attribute__((always_inline)) void decode_values_avx2(
         _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + (h0 + i) * head_dim + d0 + 8 * j, acc[i][j]);
 }
 
-/* attend_sequence for AVX2 builds: same inputs, outputs and scratch. */
+/* attend_sequence for AVX2 + FMA builds: same inputs, outputs and scratch. */
 static inline __attribute__((always_inline)) void attend_sequence_avx2(
         const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
@@ -613,7 +618,7 @@ static int64_t dp_scratch_bytes(int64_t seq_len, int64_t token_stride) {
 /* Which function this build runs for decode and for prefill rows of this dtype and head size
  * (the same rule for both): the AVX512_BF16 dot-product ones for bfloat16 at head sizes 32, 64
  * and 128 where the compiler targets AVX512_BF16, the AVX2 ones at head sizes that are a
- * multiple of 8 on AVX2 builds, the generic ones otherwise. The dispatchers below ask it, and
+ * multiple of 8 on builds with AVX2 + FMA, the generic ones otherwise. The dispatchers below ask it, and
  * the tests, so what they report is what runs. */
 enum attention_path { ATTENTION_GENERIC = 0, ATTENTION_AVX2 = 1, ATTENTION_AVX512_BF16 = 2 };
 
@@ -713,8 +718,8 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
  * last query are never read (causal). torch's CPU flash attention, which this replaces,
  * needed float32 copies of the gathered K/V and ~3.5 ms per layer for a 512-token prompt
  * on the 2-core AVX-512 EPYC. The inner loops are plain C that gcc vectorises for the
- * compiled ISA; exp is exp_ps above where there is one. prefill_task is the generic version
- * (AVX-512F builds, float32, and odd head sizes anywhere); AVX2 builds take prefill_task_lanes
+ * compiled ISA; exp is exp_ps512 / exp_ps256 above where there is one. prefill_task is the generic version
+ * (builds without AVX2 + FMA, and odd head sizes); AVX2 + FMA builds take prefill_task_lanes
  * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); attention_path() says which one a
  * build runs. */
 #define PREFILL_KEY_BLOCK 16
@@ -729,10 +734,10 @@ static inline float load_element(const void *base, int is_bf16, int64_t index) {
 static inline void exp_block(const float *restrict s, float max, float *restrict p) {
 #if defined(__AVX512F__)
     for (int t = 0; t < PREFILL_KEY_BLOCK; t += 16)
-        _mm512_storeu_ps(p + t, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(max))));
+        _mm512_storeu_ps(p + t, exp_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(max))));
 #elif defined(__AVX2__) && defined(__FMA__)
     for (int t = 0; t < PREFILL_KEY_BLOCK; t += 8)
-        _mm256_storeu_ps(p + t, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(max))));
+        _mm256_storeu_ps(p + t, exp_ps256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(max))));
 #else
     for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) p[t] = expf(s[t] - max);
 #endif
@@ -833,7 +838,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
 }
 
 #if AVX2_ATTENTION
-/* prefill_task for AVX2 builds, float32 or bfloat16 pages, head_dim a multiple of 8
+/* prefill_task for AVX2 + FMA builds, float32 or bfloat16 pages, head_dim a multiple of 8
  * (attention_path). On the 2-core AVX2 EPYC (Zen 3) prefill_task reached ~45 GFLOP/s on two
  * threads, a quarter of the FMA peak: its 8 rows x 16 keys of scores need all 16 ymm registers
  * as accumulators (gcc spilled them each step of d), and its online softmax is scalar, row by
@@ -842,7 +847,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
  *     row groups' scores for 4 keys are 8 accumulators, each step of d two query vector
  *     loads, 4 broadcasts of K and 8 multiply-adds (K as stored, widened to float32 per block);
  *   - the online softmax is vector code over 8 rows at once with no horizontal step: the
- *     block maximum is an elementwise max over the block's keys, the correction one exp_ps,
+ *     block maximum is an elementwise max over the block's keys, the correction one exp_ps256,
  *     the causal mask a compare of each row's position with the key's;
  *   - P x V runs four rows at a time over 16 columns: 8 accumulators, each V vector loaded
  *     once for the four rows, each probability a broadcast.
@@ -997,13 +1002,13 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
                 s[t] = _mm256_blendv_ps(minus_inf, s[t], visible[t]);
                 top = _mm256_max_ps(top, s[t]);
             }
-            /* exp_ps clamps its argument from below, and -inf - -inf (a row that has seen no key
+            /* exp_ps256 clamps its argument from below, and -inf - -inf (a row that has seen no key
              * yet) is NaN, which the clamp's max_ps also replaces: the correction is then ~0
              * times a zero output and sum. Masked probabilities are zeroed outright. */
-            const __m256 scale_old = exp_ps(_mm256_sub_ps(old_max, top));
+            const __m256 scale_old = exp_ps256(_mm256_sub_ps(old_max, top));
             __m256 block_sum = _mm256_setzero_ps();
             _Pragma("GCC unroll 16") for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
-                const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(s[t], top)), visible[t]);
+                const __m256 e = _mm256_and_ps(exp_ps256(_mm256_sub_ps(s[t], top)), visible[t]);
                 _mm256_storeu_ps(p + t * LANES, e);
                 block_sum = _mm256_add_ps(block_sum, e);
             }
@@ -1129,12 +1134,12 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
             const __m512 block_max = reduce_lanes_16(s, 1), old_max = _mm512_loadu_ps(row_max + r0);
             const __mmask16 active = _mm512_cmp_ps_mask(block_max, minus_inf, _CMP_GT_OQ);
             const __m512 top = _mm512_mask_max_ps(old_max, active, old_max, block_max);
-            const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), active, exp_ps(_mm512_sub_ps(old_max, top)));
+            const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), active, exp_ps512(_mm512_sub_ps(old_max, top)));
             _mm512_storeu_ps(row_max + r0, top);
             _mm512_storeu_ps(new_max, top);
             _mm512_storeu_ps(correction, scale_old);
             _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
-                s[rr] = _mm512_maskz_mov_ps(masks[rr], exp_ps(_mm512_sub_ps(s[rr], _mm512_set1_ps(new_max[rr]))));
+                s[rr] = _mm512_maskz_mov_ps(masks[rr], exp_ps512(_mm512_sub_ps(s[rr], _mm512_set1_ps(new_max[rr]))));
                 _mm512_storeu_ps(p + rr * PREFILL_KEY_BLOCK, s[rr]);
             }
             _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), scale_old, reduce_lanes_16(s, 0)));
