@@ -41,7 +41,7 @@ def test_this_machine_is_detected() -> None:
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (AVX2, torch.float32),                                          # bfloat16 would be emulated
+    (AVX2, torch.float32),                                          # no bfloat16 arithmetic: widened
     (AVX512, torch.float32),
     (AVX512 + ("avx512_bf16",), torch.bfloat16),                    # bf16 dot products in hardware
     (AVX512 + ("avx512_bf16", "amx_bf16", "amx_tile"), torch.bfloat16),

@@ -62,8 +62,9 @@ def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tup
 
     On CPU the rule is measured (docs/benchmarks.md, "dtype=auto on CPU"): bfloat16 where the
     CPU computes it natively (AVX512_BF16 or AMX-BF16), where it served 1.3-1.5x float32's
-    output tokens/s on the 2-core AVX-512 BF16 EPYC; float32 elsewhere, where bfloat16 is
-    emulated (vLLM's bfloat16 ran 4.3x slower than its float32 on the AVX2 EPYC). Greedy
+    output tokens/s on the 2-core AVX-512 BF16 EPYC; float32 elsewhere, where bfloat16 has no
+    arithmetic of its own: our kernels widen it to float32 (on the AVX2 Zen 3 that served
+    1.05-1.14x float32, still a choice, not the default: float32 is the oracle). Greedy
     tokens in bfloat16 differ from transformers' float32 after a while (the precision table);
     ``dtype=float32`` keeps the token-for-token oracle. ``features``: tests fake machines."""
     if device.type == "cuda":
@@ -71,7 +72,8 @@ def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tup
     features = features or detect()
     if features.native_bf16:
         return torch.bfloat16, f"the CPU computes bfloat16 natively ({features.describe()})"
-    return torch.float32, f"no native bfloat16 on this CPU ({features.describe()}): it would be emulated"
+    return torch.float32, (f"no bfloat16 arithmetic on this CPU ({features.describe()}); dtype=bfloat16 runs "
+                           "through kernels that widen it to float32")
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> tuple[torch.dtype, str]:
