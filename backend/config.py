@@ -61,8 +61,9 @@ class EngineConfig:
                                                # prepacked oneDNN (float32, bfloat16) or plain
                                                # F.linear; auto: by CPU features and dtype, the measured
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear
-    cpu_fused_ops: bool = True                 # CPU float32/bfloat16: residual add + RMSNorm and RoPE + KV write
-                                               # fused in C (kernels/csrc/layer_ops.c); false: torch ops
+    fused_layer_ops: bool = True               # residual add + RMSNorm and RoPE + KV write fused: in C on CPU
+                                               # (kernels/csrc/layer_ops.c), in Triton with the triton attention
+                                               # backend (kernels/triton_layer_ops.py); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     step_trace_path: str = ""                  # served engine: one JSON line per step (which requests, how many
                                                # tokens, prefill or decode, time) appended here; "" = off

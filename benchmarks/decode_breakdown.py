@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for dtype, samples in rounds.items():
         medians = {c: round(statistics.median(s[c] for s in samples), 2) for c in columns}
         result[dtype] = {"median_ms": medians, "step_ms_per_round": [round(s["step"], 2) for s in samples],
-                         "fused_cpu_ops": engines[dtype].runner.model.fused_cpu_ops,
+                         "fused_layer_ops": engines[dtype].runner.model.fused_layer_ops,
                          "cpu_linear": engines[dtype].runner.cpu_linear}
         print(f"| {dtype} | " + " | ".join(f"{medians[c]:.1f}" for c in columns) + " |")
     if args.json:

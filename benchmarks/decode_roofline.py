@@ -81,7 +81,7 @@ def step_ms(runner: ModelRunner, sampler: Sampler, batch: int, context: int, ite
 
 
 def run_shape(name: str, batches: list[int], context: int, eager: bool, device: torch.device,
-              bandwidth: float, iters: int) -> list[dict]:
+              bandwidth: float, iters: int, fused_layer_ops: bool = True) -> list[dict]:
     shape = SHAPES[name]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -91,7 +91,7 @@ def run_shape(name: str, batches: list[int], context: int, eager: bool, device: 
         blocks = max_batch * (-(-(context + 1) // 16)) + 1
         config = EngineConfig(model=str(folder), load_format="dummy", block_size=16, num_kv_blocks=blocks,
                               max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
-                              max_model_len=context + 16, enforce_eager=eager)
+                              max_model_len=context + 16, enforce_eager=eager, fused_layer_ops=fused_layer_ops)
         runner = ModelRunner(config, arch)
         sampler = Sampler(0)
         element = torch.tensor([], dtype=runner.dtype).element_size()
@@ -102,6 +102,7 @@ def run_shape(name: str, batches: list[int], context: int, eager: bool, device: 
             ms = step_ms(runner, sampler, batch, context, iters)
             floor_ms = (weight_bytes + batch * (context + 1) * kv_per_token) / (bandwidth * 1e9) * 1e3
             rows.append(dict(shape=name, mode="eager" if eager else "cuda-graphs", batch=batch, context=context,
+                             fused_layer_ops=runner.model.fused_layer_ops,
                              step_ms=ms, floor_ms=floor_ms, ratio=ms / floor_ms, tokens_per_s=batch / (ms * 1e-3),
                              weight_gb=weight_bytes / 1e9))
             print(f"{name} {rows[-1]['mode']} batch {batch}: {ms:.3f} ms (floor {floor_ms:.3f} ms, "
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="only eager steps (no CUDA graphs)")
+    parser.add_argument("--no-fused-ops", action="store_true", help="torch ops instead of the fused layer ops")
+    parser.add_argument("--json", type=Path, help="where to write the results (default benchmarks/results/)")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, two batch sizes, CPU allowed")
     args = parser.parse_args()
 
@@ -138,15 +141,18 @@ def main() -> None:
     results = []
     for name in shapes:
         for eager in modes:
-            results += run_shape(name, batches, context, eager, device, bandwidth, iters)
+            results += run_shape(name, batches, context, eager, device, bandwidth, iters, not args.no_fused_ops)
     table = markdown_table(["shape", "mode", "batch", "step ms", "floor ms", "step / floor", "tokens/s"],
                            [[r["shape"], r["mode"], r["batch"], r["step_ms"], r["floor_ms"], r["ratio"],
                              round(r["tokens_per_s"])] for r in results])
     print(f"\ndecode step at context {context} (floor = (weights + KV read) / {bandwidth:.0f} GB/s):\n{table}")
-    if not args.smoke:
-        path = write_results("decode_roofline", dict(device=device_name(device), copy_bandwidth_gbps=bandwidth,
-                                                     context=context, results=results))
-        print(f"wrote {path}")
+    payload = dict(device=device_name(device), copy_bandwidth_gbps=bandwidth, context=context,
+                   fused_layer_ops=not args.no_fused_ops, results=results)
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    elif not args.smoke:
+        print(f"wrote {write_results('decode_roofline', payload)}")
 
 
 if __name__ == "__main__":

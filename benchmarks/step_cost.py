@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--cpu-linear", default="auto", help="auto, native, onednn or torch (EngineConfig.cpu_linear)")
-    parser.add_argument("--no-fused-ops", action="store_true", help="torch ops instead of the fused C layer ops")
+    parser.add_argument("--no-fused-ops", action="store_true", help="torch ops instead of the fused layer ops")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engine = Engine(EngineConfig(model=args.model, max_num_seqs=max(batches), num_kv_blocks=4096, dtype=args.dtype,
                                  quantization=args.quantization, cpu_linear=args.cpu_linear,
-                                 cpu_fused_ops=not args.no_fused_ops,
+                                 fused_layer_ops=not args.no_fused_ops,
                                  enable_prefix_caching=False))
     rng = random.Random(0)
     rows = []
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = engine.config.max_num_batched_tokens
     prefill = prefill_step_ms(engine, budget, 3, rng)
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, dtype {engine.runner.dtype}, "
-          f"linear {engine.runner.cpu_linear}, fused ops {engine.runner.model.fused_cpu_ops}, context {args.context}")
+          f"linear {engine.runner.cpu_linear}, fused ops {engine.runner.model.fused_layer_ops}, context {args.context}")
     print("| batch | decode step ms | tokens/s | ms per added sequence |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['batch']} | {row['step_ms']} | {row['tokens_per_s']} | {row.get('ms_per_added_sequence', '')} |")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({
             "device": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype),
             "quantization": args.quantization, "cpu_linear": engine.runner.cpu_linear,
-            "cpu_fused_ops": engine.runner.model.fused_cpu_ops, "context": args.context, "decode": rows,
+            "fused_layer_ops": engine.runner.model.fused_layer_ops, "context": args.context, "decode": rows,
             "prefill_tokens": budget, "prefill_step_ms": round(prefill, 1),
             "date": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
 

@@ -118,6 +118,44 @@ def compile_lora(dtype_name: str) -> list[str]:
     return done
 
 
+def compile_layer_ops(dtype_name: str) -> list[str]:
+    """The fused layer ops: add_rms_norm at SmolLM2's, Llama 1B's, 8B's and 70B's hidden sizes
+    (with and without the residual delta), rope_and_cache over the attention layouts."""
+    import torch
+
+    from kernels.triton_layer_ops import add_rms_norm_launch, rope_and_cache_launch
+
+    dtype = getattr(torch, dtype_name)
+    meta = torch.device("meta")
+    done = []
+    for hidden in (576, 2048, 4096, 8192):
+        rows = torch.empty(64, hidden, dtype=dtype, device=meta)
+        for delta in (None, rows):
+            launch = add_rms_norm_launch(rows, delta, torch.empty(hidden, dtype=dtype, device=meta), rows, 1e-5)
+            done += _compile(launch, dtype, f"hidden {hidden}{' + delta' if delta is not None else ''}")
+    for num_heads, num_kv_heads, head_dim in LAYOUTS:
+        qkv = torch.empty(64, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=meta)
+        cos = torch.empty(64, head_dim, dtype=dtype, device=meta)
+        cache = torch.empty(100, 16, num_kv_heads, head_dim, dtype=dtype, device=meta)
+        launch = rope_and_cache_launch(qkv, cos, cos, torch.empty(64, dtype=torch.int64, device=meta), cache, cache,
+                                       num_heads, num_kv_heads, head_dim)
+        done += _compile(launch, dtype, f"h{num_heads}/kv{num_kv_heads} d{head_dim}")
+    # RoPE rounds each product as torch does: no multiply-add in its machine code (with Triton's
+    # default contraction, sm_90 fused bfloat16 products and sums into fma.rn.bf16).
+    ptx = _ptx(launch, 90)
+    assert "fma.rn" not in ptx and "mul.rn" in ptx, "rope_and_cache fuses its products"
+    return done
+
+
+def _ptx(launch, capability: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(launch.kernel, _signature(launch), launch.constexprs),
+                          target=GPUTarget("cuda", capability, 32), options=dict(launch.options)).asm["ptx"]
+
+
 def compile_all() -> list[str]:
     """Every group on its own process, as many at once as this process has cores (compiling
     is single-threaded: on 2 cores this halves the ~80 s it takes serially)."""
@@ -125,6 +163,7 @@ def compile_all() -> list[str]:
 
     groups = [(compile_attention, dtype) for dtype in ("bfloat16", "float16", "float32")]
     groups += [(compile_lora, dtype) for dtype in ("bfloat16", "float16", "float32")]
+    groups += [(compile_layer_ops, dtype) for dtype in ("bfloat16", "float16", "float32")]
     with ProcessPoolExecutor(max_workers=min(len(groups), len(os.sched_getaffinity(0)))) as pool:
         results = [pool.submit(function, dtype) for function, dtype in groups]
         return [label for result in results for label in result.result()]
@@ -142,6 +181,9 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
     assert len(compiled) >= 2 * 3 * (len(LAYOUTS) * len(TARGETS) + 2 * len(OTHER_DTYPE_LAYOUTS)), done.stdout[-2000:]
     lora = [line for line in compiled if line.startswith("_lora_")]
     assert len(lora) == 2 * 2 * (2 + 1 + 1), lora   # 2 kernels x 2 shapes x (bf16 on two targets, fp16, fp32)
+    layer_ops = [line for line in compiled if line.startswith(("_add_rms_norm", "_rope_and_cache"))]
+    # (8 norms + the rope of each layout) x (bf16 on two targets, fp16, fp32)
+    assert len(layer_ops) == (8 + len(LAYOUTS)) * (2 + 1 + 1), layer_ops
 
 
 if __name__ == "__main__":

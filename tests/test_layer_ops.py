@@ -1,6 +1,9 @@
-"""The fused CPU layer ops (kernels/csrc/layer_ops.c) against the torch code they replace:
-``RMSNorm`` after a residual add, and ``apply_rope`` + ``reshape_and_cache_reference``
-(backend/model/llama.py, kernels/reference.py), then a whole model's logits with and without them."""
+"""The fused layer ops against the torch code they replace: ``RMSNorm`` after a residual add,
+and ``apply_rope`` + ``reshape_and_cache_reference`` (backend/model/llama.py,
+kernels/reference.py), then a whole model's logits with and without them. Both
+implementations behind the one seam: C (kernels/csrc/layer_ops.c, the CPU path) and Triton
+(kernels/triton_layer_ops.py, the GPU path; here in Triton's interpreter, which conftest
+turns on where there is no GPU)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,11 @@ import torch
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.llama import CausalLM, RMSNorm, apply_rope
-from kernels import cpu_native
+from kernels import cpu_native, triton_layer_ops
 from kernels.reference import reshape_and_cache_reference
+
+# name -> (the module with add_rms_norm and rope_and_cache, the attention backend it goes with)
+LAYER_OPS = {"c": (cpu_native, "cpu"), "triton": (triton_layer_ops, "triton")}
 
 
 @pytest.fixture(autouse=True)
@@ -18,17 +24,44 @@ def library_builds() -> None:
     assert cpu_native.load() is not None, "the C kernels must build here (gcc is part of the machine)"
 
 
+class TritonOnTheGpu:
+    """The Triton ops on CUDA copies of the tests' CPU tensors where there is a GPU (their
+    results copied back into the CPU tensors); in the interpreter, on the tensors themselves."""
+
+    @staticmethod
+    def _run(function, tensors: list[torch.Tensor | None], *rest) -> None:
+        if not torch.cuda.is_available():
+            function(*tensors, *rest)
+            return
+        on_gpu = [None if t is None else t.cuda() for t in tensors]
+        function(*on_gpu, *rest)
+        for t, g in zip(tensors, on_gpu):
+            if t is not None:
+                t.copy_(g.cpu())
+
+    def add_rms_norm(self, residual, delta, weight, out, eps) -> None:
+        self._run(triton_layer_ops.add_rms_norm, [residual, delta, weight, out], eps)
+
+    def rope_and_cache(self, qkv, cos, sin, slots, key_cache, value_cache, *heads) -> None:
+        self._run(triton_layer_ops.rope_and_cache, [qkv, cos, sin, slots, key_cache, value_cache], *heads)
+
+
+@pytest.fixture(params=list(LAYER_OPS))
+def ops(request):
+    return TritonOnTheGpu() if request.param == "triton" else LAYER_OPS[request.param][0]
+
+
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("hidden", [7, 64, 576])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm_matches_residual_add_then_rmsnorm(rows: int, hidden: int, with_delta: bool) -> None:
-    residual, expected_residual, out, expected = add_rms_norm_case(rows, hidden, with_delta, torch.float32,
+def test_add_rms_norm_matches_residual_add_then_rmsnorm(ops, rows: int, hidden: int, with_delta: bool) -> None:
+    residual, expected_residual, out, expected = add_rms_norm_case(ops, rows, hidden, with_delta, torch.float32,
                                                                    seed=rows * hidden)
     assert torch.equal(residual, expected_residual)          # the same float32 add
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=2e-6)
 
 
-def add_rms_norm_case(rows: int, hidden: int, with_delta: bool, dtype: torch.dtype,
+def add_rms_norm_case(ops, rows: int, hidden: int, with_delta: bool, dtype: torch.dtype,
                       seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random inputs through the fused op and through the torch ops it replaces (a residual
     add, then ``RMSNorm``): (residual after the op, after the torch add, op output, torch output)."""
@@ -42,13 +75,13 @@ def add_rms_norm_case(rows: int, hidden: int, with_delta: bool, dtype: torch.dty
     with torch.no_grad():
         expected = norm(expected_residual)
     out = torch.full_like(residual, float("nan"))
-    cpu_native.add_rms_norm(residual, delta, norm.weight.detach(), out, 1e-5)
+    ops.add_rms_norm(residual, delta, norm.weight.detach(), out, 1e-5)
     return residual, expected_residual, out, expected
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 8), (4, 1, 128)])
 @pytest.mark.parametrize("row_padding", [0, 5])
-def test_rope_and_cache_matches_rope_then_cache_write(num_heads: int, num_kv_heads: int, head_dim: int,
+def test_rope_and_cache_matches_rope_then_cache_write(ops, num_heads: int, num_kv_heads: int, head_dim: int,
                                                        row_padding: int) -> None:
     gen = torch.Generator().manual_seed(num_heads * head_dim + row_padding)
     tokens, num_blocks, block_size = 11, 6, 4
@@ -74,7 +107,7 @@ def test_rope_and_cache_matches_rope_then_cache_write(num_heads: int, num_kv_hea
     ref_v = qkv[:, q_size + kv_size:].reshape(tokens, num_kv_heads, head_dim).clone()
     reshape_and_cache_reference(ref_qk[:, num_heads:], ref_v, ref_key, ref_value, slots)
 
-    cpu_native.rope_and_cache(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
+    ops.rope_and_cache(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
     rotated = qkv[:, :q_size + kv_size].reshape(tokens, num_heads + num_kv_heads, head_dim)
     torch.testing.assert_close(rotated, ref_qk, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, q_size + kv_size:].reshape(tokens, num_kv_heads, head_dim), ref_v)  # v untouched
@@ -85,8 +118,9 @@ def test_rope_and_cache_matches_rope_then_cache_write(num_heads: int, num_kv_hea
         assert storage[:, width:].isnan().all()
 
 
+@pytest.mark.parametrize("ops_name", list(LAYER_OPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_logits_with_and_without_fused_ops(dtype: torch.dtype) -> None:
+def test_model_logits_with_and_without_fused_ops(ops_name: str, dtype: torch.dtype) -> None:
     """A tiny random Llama, one packed step of a prefill chunk and decode rows: the fused
     decoder loop gives the logits of the torch loop."""
     from backend.model.llama import AttentionMetadata
@@ -95,12 +129,14 @@ def test_model_logits_with_and_without_fused_ops(dtype: torch.dtype) -> None:
                              num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                              rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
                              tie_word_embeddings=True, qkv_bias=False, qk_norm=False, initializer_range=0.2)
+    # The Triton ops run on the GPU where there is one, in the interpreter elsewhere.
+    device = torch.device("cuda" if ops_name == "triton" and torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = CausalLM(arch, attention_backend="cpu")
+    model = CausalLM(arch, attention_backend=LAYER_OPS[ops_name][1])
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(torch.randn(param.shape) * (0.2 if not name.endswith("norm.weight") else 1.0))
-    model = model.to(dtype)
+    model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     block_size, num_blocks = 4, 16
     # Sequence 0: a 6-token chunk at positions 3..8 over 3 cached tokens; sequences 1, 2: decodes.
@@ -110,19 +146,19 @@ def test_model_logits_with_and_without_fused_ops(dtype: torch.dtype) -> None:
     table_of = [0] * 6 + [1, 2]
     slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
                           for s, p in zip(table_of, positions.tolist())])
-    meta = AttentionMetadata(positions=positions, slot_mapping=slots,
-                             query_start_loc=torch.tensor([0, 6, 7, 8], dtype=torch.int32), seq_lens=seq_lens,
-                             block_tables=tables, logits_indices=torch.tensor([5, 6, 7]), max_query_len=6,
-                             max_seq_len=9)
-    input_ids = torch.randint(0, 300, (8,))
+    meta = AttentionMetadata(positions=positions.to(device), slot_mapping=slots.to(device),
+                             query_start_loc=torch.tensor([0, 6, 7, 8], dtype=torch.int32, device=device),
+                             seq_lens=seq_lens.to(device), block_tables=tables.to(device),
+                             logits_indices=torch.tensor([5, 6, 7], device=device), max_query_len=6, max_seq_len=9)
+    input_ids = torch.randint(0, 300, (8,)).to(device)
     logits = {}
     for fused in (False, True):
-        assert model.use_fused_cpu_ops(fused) == fused
+        assert model.use_fused_layer_ops(fused) == (ops_name if fused else None)
         gen = torch.Generator().manual_seed(1)
-        caches = [(torch.randn(num_blocks, block_size, 2, 16, generator=gen).to(dtype),
-                   torch.randn(num_blocks, block_size, 2, 16, generator=gen).to(dtype)) for _ in range(3)]
+        caches = [(torch.randn(num_blocks, block_size, 2, 16, generator=gen).to(device, dtype),
+                   torch.randn(num_blocks, block_size, 2, 16, generator=gen).to(device, dtype)) for _ in range(3)]
         with torch.inference_mode():
-            logits[fused] = model(input_ids, meta, caches)
+            logits[fused] = model(input_ids, meta, caches).cpu()
     if dtype == torch.float32:
         torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
     else:
@@ -139,10 +175,10 @@ BF16_ULP = 2.0 ** -7   # relative spacing of bfloat16 values
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("hidden", [7, 576])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm_bf16_rounds_like_the_torch_ops(rows: int, hidden: int, with_delta: bool) -> None:
+def test_add_rms_norm_bf16_rounds_like_the_torch_ops(ops, rows: int, hidden: int, with_delta: bool) -> None:
     """bfloat16: the residual add is torch's bit for bit; the normalised output within one
     bfloat16 unit (only the float32 sum of squares is summed in another order)."""
-    residual, expected_residual, out, expected = add_rms_norm_case(rows, hidden, with_delta, torch.bfloat16,
+    residual, expected_residual, out, expected = add_rms_norm_case(ops, rows, hidden, with_delta, torch.bfloat16,
                                                                    seed=rows * hidden + 1)
     assert torch.equal(residual, expected_residual)
     assert not out.isnan().any()
@@ -152,7 +188,7 @@ def test_add_rms_norm_bf16_rounds_like_the_torch_ops(rows: int, hidden: int, wit
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128)])
-def test_rope_and_cache_bf16_gives_the_torch_bits(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def test_rope_and_cache_bf16_gives_the_torch_bits(ops, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(num_heads + head_dim)
     tokens, num_blocks, block_size = 9, 5, 4
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -172,7 +208,7 @@ def test_rope_and_cache_bf16_gives_the_torch_bits(num_heads: int, num_kv_heads: 
     ref_v = qkv[:, q_size + kv_size:].reshape(tokens, num_kv_heads, head_dim).clone()
     reshape_and_cache_reference(ref_qk[:, num_heads:], ref_v, ref_key, ref_value, slots)
 
-    cpu_native.rope_and_cache(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
+    ops.rope_and_cache(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
     assert torch.equal(qkv[:, :q_size + kv_size].reshape(tokens, num_heads + num_kv_heads, head_dim), ref_qk)
     assert torch.equal(key_cache.isnan(), ref_key.isnan()) and torch.equal(value_cache.isnan(), ref_value.isnan())
     written = ~ref_key.isnan()

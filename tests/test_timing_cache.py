@@ -64,7 +64,7 @@ def test_a_second_start_reads_the_first_ones_calibration(tiny_qwen2, cache_dir, 
 
 def test_what_changes_a_step_s_time_times_again(tiny_qwen2, cache_dir, calibrations, monkeypatch) -> None:
     threads = torch.get_num_threads()
-    changes = [dict(max_num_batched_tokens=96), dict(max_num_seqs=4), dict(block_size=8), dict(cpu_fused_ops=False),
+    changes = [dict(max_num_batched_tokens=96), dict(max_num_seqs=4), dict(block_size=8), dict(fused_layer_ops=False),
                dict(cpu_linear="torch"), dict(cpu_threads=threads + 1)]
     try:
         Engine(EngineConfig(model=tiny_qwen2, **SMALL))

@@ -75,6 +75,7 @@ TRITON_CONFIGS = ("block4", "chunked_small_budget", "no_chunking")
 def test_triton_greedy_matches_transformers(name: str, tiny_llama, prompts, reference) -> None:
     engine, ours = run_engine(triton_config(tiny_llama[0], **CONFIGS[name]), prompts)
     assert engine.runner.attention_backend == "triton"
+    assert engine.runner.model.fused_layer_ops == "triton"    # norms, RoPE and the cache write too
     assert_same_tokens(ours, reference)
 
 

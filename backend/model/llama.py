@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -94,17 +95,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
-        self.fused_cpu_ops = False   # set by CausalLM.use_fused_cpu_ops
+        self.layer_ops: ModuleType | None = None   # set by CausalLM.use_fused_layer_ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata,
                 plan: kernels.CpuAttentionPlan | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         add_lora(qkv, x, self.layer, "qkv")
-        if self.fused_cpu_ops:
-            # RoPE on q and k in place and the K/V cache write, in one C pass (layer_ops.c).
-            cpu_native.rope_and_cache(qkv, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
-                                      self.num_kv_heads, self.head_dim)
+        if self.layer_ops is not None:
+            # RoPE on q and k in place and the K/V cache write, in one pass (C or Triton).
+            self.layer_ops.rope_and_cache(qkv, cos, sin, meta.slot_mapping, key_cache, value_cache, self.num_heads,
+                                          self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q = self._rope_and_cache(qkv, cos, sin, key_cache, value_cache, meta, plan)
@@ -180,7 +181,8 @@ class CausalLM(nn.Module):
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
-        self.fused_cpu_ops = False                      # set by use_fused_cpu_ops
+        self.layer_ops: ModuleType | None = None        # set by use_fused_layer_ops
+        self.fused_layer_ops: str | None = None         # its name: "c", "triton" or None
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +203,7 @@ class CausalLM(nn.Module):
         # Gather indices etc. derived from the block tables once per step, reused by every layer.
         plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
                                       kv_caches[0][0].shape[1], self.attention_backend)
-        if self.fused_cpu_ops:
+        if self.layer_ops is not None:
             self._decoder_fused(h, cos, sin, meta, kv_caches, plan)
         else:
             for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
@@ -216,33 +218,42 @@ class CausalLM(nn.Module):
     def _decoder_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: kernels.CpuAttentionPlan | None,
                        ) -> None:
-        """The layer loop above with each residual add fused into the next RMSNorm (one C pass
-        each, layer_ops.c); ``h`` ends as the same residual stream."""
+        """The layer loop above with each residual add fused into the next RMSNorm (one pass
+        each, C or Triton: ``self.layer_ops``); ``h`` ends as the same residual stream."""
         layers = self.model.layers
         eps = self.arch.rms_norm_eps
+        add_rms_norm = self.layer_ops.add_rms_norm
         x = torch.empty_like(h)      # the normed input of the next projection, rewritten in place
-        cpu_native.add_rms_norm(h, None, layers[0].input_layernorm.weight, x, eps)
+        add_rms_norm(h, None, layers[0].input_layernorm.weight, x, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(layers, kv_caches)):
             attn = layer.self_attn(x, cos, sin, key_cache, value_cache, meta, plan)
-            cpu_native.add_rms_norm(h, attn, layer.post_attention_layernorm.weight, x, eps)
+            add_rms_norm(h, attn, layer.post_attention_layernorm.weight, x, eps)
             mlp = layer.mlp(x)
             if i + 1 < len(layers):
-                cpu_native.add_rms_norm(h, mlp, layers[i + 1].input_layernorm.weight, x, eps)
+                add_rms_norm(h, mlp, layers[i + 1].input_layernorm.weight, x, eps)
             else:
                 h += mlp
 
-    def use_fused_cpu_ops(self, enabled: bool) -> bool:
-        """Fuse RMSNorm with the residual add and RoPE with the K/V cache write (C, layer_ops.c)
-        where they apply: float32 or bfloat16 on CPU, the ``cpu`` attention backend, no q/k norm,
-        the C library built. Returns whether they are on; off, the torch ops above run (the
-        reference)."""
-        applies = (enabled and self.model.embed_tokens.weight.dtype in cpu_native.LAYER_OPS_SUFFIXES
-                   and self.model.embed_tokens.weight.device.type == "cpu" and self.attention_backend == "cpu"
-                   and not self.arch.qk_norm and cpu_native.load() is not None)
-        self.fused_cpu_ops = applies
+    def use_fused_layer_ops(self, enabled: bool) -> str | None:
+        """Fuse RMSNorm with the residual add and RoPE with the K/V cache write where they apply
+        (no q/k norm): in C (kernels/csrc/layer_ops.c) with the ``cpu`` attention backend, in
+        float32 or bfloat16, the C library built; in Triton (kernels/triton_layer_ops.py) with the
+        ``triton`` one. Returns which (``"c"``, ``"triton"``) or None: the torch ops above run,
+        the reference of both."""
+        dtype = self.model.embed_tokens.weight.dtype
+        ops, name = None, None
+        if enabled and not self.arch.qk_norm:
+            if (self.attention_backend == "cpu" and dtype in cpu_native.LAYER_OPS_SUFFIXES
+                    and self.model.embed_tokens.weight.device.type == "cpu" and cpu_native.load() is not None):
+                ops, name = cpu_native, "c"
+            elif self.attention_backend == "triton":
+                from kernels import triton_layer_ops   # imported on first use, as the attention kernels are
+                if dtype in triton_layer_ops.DTYPES:
+                    ops, name = triton_layer_ops, "triton"
+        self.layer_ops, self.fused_layer_ops = ops, name
         for layer in self.model.layers:
-            layer.self_attn.fused_cpu_ops = applies
-        return applies
+            layer.self_attn.layer_ops = ops
+        return name
 
     def pack_for_cpu(self, kind: str) -> None:
         """Repack every projection and the LM head for a CPU kernel (backend/model/cpu_linear.py):

@@ -31,9 +31,9 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
-               cpu_linear: str = "torch", quantization: str = "none", cpu_fused_ops: bool = False) -> CausalLM:
+               cpu_linear: str = "torch", quantization: str = "none", fused_layer_ops: bool = False) -> CausalLM:
     """``cpu_linear``: a resolved choice (``backend.model.cpu_linear.resolve_cpu_linear``);
-    ``cpu_fused_ops``: see ``CausalLM.use_fused_cpu_ops``."""
+    ``fused_layer_ops``: see ``CausalLM.use_fused_layer_ops``."""
     folder = Path(folder)
     with torch.device("meta"):
         model = CausalLM(arch, attention_backend)
@@ -61,7 +61,7 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     # float32 or bfloat16 weights (native, onednn), as resolve_cpu_linear chose.
     if cpu_linear in ("native", "onednn"):
         model.pack_for_cpu(cpu_linear)
-    model.use_fused_cpu_ops(cpu_fused_ops)
+    model.use_fused_layer_ops(fused_layer_ops)
     return model.eval()
 
 

@@ -106,9 +106,9 @@ class ModelRunner:
             logger.info("CPU %s, %s weights: linear layers %s%s", detect().describe(), str(self.dtype)[6:],
                         self.cpu_linear, f" ({cpu_native.linear_bf16_version()} kernel)" if bf16_kernel else "")
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
-                                self.attention_backend, self.cpu_linear, config.quantization, config.cpu_fused_ops)
-        if self.device.type == "cpu":
-            logger.info("CPU fused layer ops (RMSNorm + residual, RoPE + KV write): %s", self.model.fused_cpu_ops)
+                                self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops)
+        logger.info("fused layer ops (RMSNorm + residual, RoPE + KV write): %s",
+                    self.model.fused_layer_ops or "off (torch ops)")
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens
@@ -166,7 +166,7 @@ class ModelRunner:
             "dtype": str(self.dtype),
             "attention_backend": self.attention_backend,
             "cpu_linear": self.cpu_linear,
-            "fused_cpu_ops": bool(getattr(self.model, "fused_cpu_ops", False)),
+            "fused_layer_ops": self.model.fused_layer_ops,
             "quantization": self.config.quantization,
             "decode_graphs": self.decode_graphs is not None,
             "lora_slots": None if self.lora_slots is None else [self.config.max_loras, self.config.max_lora_rank],
