@@ -16,6 +16,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 
 
+# Keys an earlier release took, and their names now: a deployed config.pbtxt keeps working.
+RENAMED_KEYS = {"cpu_fused_ops": "fused_layer_ops"}
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL                 # Hugging Face folder (config.json + safetensors)
@@ -86,6 +90,7 @@ class EngineConfig:
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from string-or-typed values (e.g. Triton model parameters)."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {RENAMED_KEYS.get(name, name): raw for name, raw in values.items()}
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(f"unknown engine config key(s): {unknown}")

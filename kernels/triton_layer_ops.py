@@ -15,7 +15,7 @@ layer, with the same contracts as ``kernels.cpu_native.add_rms_norm`` and
   each product rounded to the dtype before the add (torch's order), then k and v written to
   their cache slots (slot < 0: padding, not written).
 
-The torch ops in ``backend/model/llama.py`` are the reference; tests/test_triton_layer_ops.py
+The torch ops in ``backend/model/llama.py`` are the reference; tests/test_layer_ops.py
 checks these against them (under ``TRITON_INTERPRET=1`` on CPU) and tests/test_kernels_compile.py
 compiles them for sm_90 and sm_80.
 """
@@ -39,7 +39,7 @@ def _round(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
     if BF16_BY_BITS:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)   # a NaN stays a NaN
     return x.to(dtype)
 
 
@@ -70,7 +70,9 @@ def _add_rms_norm_kernel(residual_ptr, delta_ptr, weight_ptr, out_ptr, num_rows,
         h = _round(h.to(tl.float32) + delta.to(tl.float32), dtype, BF16_BY_BITS)
         tl.store(residual_ptr + at, h, mask=mask)
     x = h.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    # Correctly rounded, as torch's CPU ops and layer_ops.c are (a GPU's default sqrt and
+    # division are approximate).
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / hidden + eps))
     weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     normed = _round(x * inv_rms[:, None], dtype, BF16_BY_BITS).to(tl.float32)
     tl.store(out_ptr + at, _round(weight * normed, dtype, BF16_BY_BITS), mask=mask)
@@ -81,7 +83,7 @@ def add_rms_norm_launch(residual: torch.Tensor, delta: torch.Tensor | None, weig
     rows, hidden = residual.shape
     assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
     assert delta is None or (delta.is_contiguous() and delta.shape == residual.shape)
-    assert residual.dtype == out.dtype
+    assert residual.dtype == out.dtype and weight.shape == (hidden,) and weight.is_contiguous()
     block, block_rows = triton.next_power_of_2(hidden), _rows_per_program(rows)
     return KernelLaunch(
         _add_rms_norm_kernel, (triton.cdiv(rows, block_rows),),
@@ -154,7 +156,9 @@ def rope_and_cache_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                           head_dim: int) -> KernelLaunch:
     tokens = qkv.shape[0]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (tokens, head_dim)
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (tokens, head_dim)
+    assert slots.shape == (tokens,) and slots.is_contiguous()
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim)
     assert key_cache.dtype == value_cache.dtype == qkv.dtype and key_cache.stride() == value_cache.stride()
     assert key_cache.stride(-1) == 1 and head_dim % 2 == 0
     block_tokens = _rows_per_program(tokens)

@@ -8,6 +8,7 @@ such CPU."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from kernels import cpu_native
 # AVX2 + FMA (Haswell, Zen 1-3); AVX-512F without bfloat16 (Skylake-SP to Ice Lake);
 # AVX512_BF16 (Cooper Lake); AVX512_BF16 + AMX (Sapphire Rapids and later; Zen 4-5 compile alike).
 TARGETS = ("x86-64-v3", "skylake-avx512", "cooperlake", "sapphirerapids")
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                                reason=f"NOT RUN: x86 targets, and this machine is {platform.machine()}")
 
 
 def compile_only(source: Path, march: str, tmp_path: Path) -> subprocess.CompletedProcess:

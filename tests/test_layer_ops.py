@@ -33,11 +33,24 @@ class TritonOnTheGpu:
         if not torch.cuda.is_available():
             function(*tensors, *rest)
             return
-        on_gpu = [None if t is None else t.cuda() for t in tensors]
-        function(*on_gpu, *rest)
+        on_gpu = [None if t is None else TritonOnTheGpu._copy(t) for t in tensors]
+        function(*[None if g is None else g[0] for g in on_gpu], *rest)
         for t, g in zip(tensors, on_gpu):
             if t is not None:
-                t.copy_(g.cpu())
+                copy, padding = g
+                t.copy_(copy.cpu())
+                assert padding is None or padding.isnan().all(), "a padding column was written on the GPU"
+
+    @staticmethod
+    def _copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A CUDA copy with the same row stride (``.cuda()`` would make padded rows contiguous),
+        its padding columns NaN; and those columns, to check afterwards."""
+        if t.dim() != 2 or t.stride(0) == t.shape[1]:
+            return t.cuda(), None
+        storage = torch.full((t.shape[0], t.stride(0)), float("nan"), dtype=t.dtype, device="cuda")
+        copy = storage[:, :t.shape[1]]
+        copy.copy_(t)
+        return copy, storage[:, t.shape[1]:]
 
     def add_rms_norm(self, residual, delta, weight, out, eps) -> None:
         self._run(triton_layer_ops.add_rms_norm, [residual, delta, weight, out], eps)
@@ -79,7 +92,8 @@ def add_rms_norm_case(ops, rows: int, hidden: int, with_delta: bool, dtype: torc
     return residual, expected_residual, out, expected
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 8), (4, 1, 128)])
+# (6, 2, 96): heads and head size not powers of two (the kernels' padding masks).
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 8), (4, 1, 128), (6, 2, 96)])
 @pytest.mark.parametrize("row_padding", [0, 5])
 def test_rope_and_cache_matches_rope_then_cache_write(ops, num_heads: int, num_kv_heads: int, head_dim: int,
                                                        row_padding: int) -> None:
@@ -187,20 +201,43 @@ def test_add_rms_norm_bf16_rounds_like_the_torch_ops(ops, rows: int, hidden: int
     assert (out == expected).float().mean() > 0.97      # nearly all bits equal
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128)])
-def test_rope_and_cache_bf16_gives_the_torch_bits(ops, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    gen = torch.Generator().manual_seed(num_heads + head_dim)
-    tokens, num_blocks, block_size = 9, 5, 4
+# 300 tokens: more than one interpreter program (256 tokens each); (5, 1, 80): sizes that are
+# not powers of two.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,tokens", [(9, 3, 64, 9), (4, 1, 128, 9), (5, 1, 80, 300)])
+def test_rope_and_cache_bf16_gives_the_torch_bits(ops, num_heads: int, num_kv_heads: int, head_dim: int,
+                                                  tokens: int) -> None:
+    rope_gives_the_torch_bits(ops, torch.bfloat16, num_heads, num_kv_heads, head_dim, tokens)
+
+
+def test_triton_ops_in_float16() -> None:
+    """float16 (the Triton ops take it; the C ones do not): RoPE and the cache write bit for
+    bit; the norm's residual add bit for bit, its output within two float16 units (the float32
+    sum of squares in another order can move the normalised value by one unit, and the weight's
+    product rounds again)."""
+    rope_gives_the_torch_bits(TritonOnTheGpu(), torch.float16, 9, 3, 64, 40)
+    residual, expected_residual, out, expected = add_rms_norm_case(TritonOnTheGpu(), 40, 576, True, torch.float16,
+                                                                   seed=3)
+    assert torch.equal(residual, expected_residual)
+    difference = (out.float() - expected.float()).abs()
+    assert (difference <= 2.0 ** -9 * expected.float().abs() + 1e-30).all(), difference.max()
+    assert (out == expected).float().mean() > 0.97
+
+
+def rope_gives_the_torch_bits(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                              tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads + head_dim + tokens)
+    block_size = 4
+    num_blocks = -(-tokens // block_size) + 2
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(tokens, width, generator=gen).bfloat16()
+    qkv = torch.randn(tokens, width, generator=gen).to(dtype)
     positions = torch.randint(0, 4000, (tokens,), generator=gen)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     emb = torch.cat((positions.float().unsqueeze(1) * inv_freq,) * 2, dim=-1)
-    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[4] = -1
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = key_cache.clone()
     ref_key, ref_value = key_cache.clone(), value_cache.clone()
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

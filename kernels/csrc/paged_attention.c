@@ -84,7 +84,9 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
 }
 
 /* Floats per vector in dot_bf16 as compiled: 16 (AVX-512F), 8 (AVX2 + FMA) or 1 (plain C).
- * Lets the tests check that each build they make runs the version they mean to test. */
+ * Lets the tests check that each build they make was compiled as they mean. Which decode and
+ * prefill functions run is attention_path()'s answer: on AVX-512 builds the generic ones (and
+ * so this dot_bf16) only for head sizes that are not a multiple of 8. */
 int decode_attention_bf16_vector_width(void) {
 #if defined(__AVX512F__)
     return 16;
