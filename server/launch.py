@@ -131,10 +131,11 @@ def configured_drain_timeout(params: dict[str, str]) -> float:
 
 def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
     """Copy the model repository with engine parameters set in its config.pbtxt (replacing a
-    parameter the file sets already, adding the others). Keys must be EngineConfig fields."""
-    from backend.config import EngineConfig
+    parameter the file sets already, adding the others). Keys must be EngineConfig fields (or
+    their earlier names, RENAMED_KEYS)."""
+    from backend.config import RENAMED_KEYS, EngineConfig
 
-    unknown = sorted(set(params) - {f.name for f in dataclasses.fields(EngineConfig)})
+    unknown = sorted(set(params) - {f.name for f in dataclasses.fields(EngineConfig)} - set(RENAMED_KEYS))
     if unknown:
         raise ValueError(f"not engine parameters: {unknown}")
     target = workdir / "model_repository"

@@ -52,3 +52,12 @@ def test_param_overrides_touch_only_a_copy(tmp_path: Path) -> None:
     assert CONFIG.read_text() == original
     with pytest.raises(ValueError):
         repository_with_params({"no_such_key": "1"}, tmp_path / "other")
+
+
+def test_renamed_keys_still_configure_the_engine(tmp_path: Path) -> None:
+    """A config.pbtxt or --param written for an earlier release keeps working: cpu_fused_ops
+    is fused_layer_ops now."""
+    params = pbtxt_parameters((repository_with_params({"cpu_fused_ops": "false"}, tmp_path) / "llm"
+                               / "config.pbtxt").read_text())
+    assert EngineConfig.from_dict(params).fused_layer_ops is False
+    assert EngineConfig.from_dict({"cpu_fused_ops": "true"}).fused_layer_ops is True
