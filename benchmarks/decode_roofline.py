@@ -147,7 +147,7 @@ def main() -> None:
                              round(r["tokens_per_s"])] for r in results])
     print(f"\ndecode step at context {context} (floor = (weights + KV read) / {bandwidth:.0f} GB/s):\n{table}")
     payload = dict(device=device_name(device), copy_bandwidth_gbps=bandwidth, context=context,
-                   fused_layer_ops=not args.no_fused_ops, results=results)
+                   fused_layer_ops=results[0]["fused_layer_ops"] if results else None, results=results)
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")
