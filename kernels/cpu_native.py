@@ -43,18 +43,23 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _cpu_signature() -> str:
+@lru_cache(maxsize=1)
+def cpu_identity() -> str:
+    """The CPU's model name and flags (/proc/cpuinfo), else what the platform says: what
+    ``-march=native`` compiles for, so part of the build's key (and of the step-cost
+    calibration's, backend/worker/timing_cache.py)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next((line for line in lines if line.startswith("flags")), platform.processor())
     except OSError:
-        return platform.processor()
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))     # first of each (every core repeats them)
 
 
 def build(compiler: str = "gcc", cflags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile (once per source/flags/CPU) and return the shared library's path. ``cflags``
     other than the default: tests build the same sources for an older instruction set."""
-    digest = hashlib.sha256(" ".join(cflags).encode() + _cpu_signature().encode())
+    digest = hashlib.sha256(" ".join(cflags).encode() + cpu_identity().encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"

@@ -158,7 +158,7 @@ class ModelRunner:
         calibration cache (backend/worker/timing_cache.py) with the calibration shapes."""
         on_cuda = self.device.type == "cuda"
         return {
-            "machine": torch.cuda.get_device_name(self.device) if on_cuda else timing_cache.cpu_identity(),
+            "machine": torch.cuda.get_device_name(self.device) if on_cuda else cpu_native.cpu_identity(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "source": timing_cache.source_digest(),

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -56,17 +55,6 @@ def source_digest() -> str:
                 digest.update(str(path.relative_to(root)).encode())
                 digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-@functools.cache
-def cpu_identity() -> str:
-    """The CPU's model name and flags (/proc/cpuinfo), else what the platform says."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(wanted))     # first of each (every core repeats them)
 
 
 def key_digest(key: dict[str, Any]) -> str:
