@@ -13,7 +13,7 @@ the machines are shared and their speed drifts.
 from __future__ import annotations
 
 import argparse
-import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import PackedLinear, native_kernel_available, native_linear, onednn_packing_available
+from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
 
 
@@ -60,16 +61,17 @@ def main() -> None:
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes}}
-            best = {path: float("inf") for path in layers}
-            for _ in range(args.rounds):
-                for path, stack in layers.items():
-                    start = time.perf_counter()
+
+            def one_step(path: str) -> Callable[[], None]:
+                stack = layers[path]
+                apply = (lambda layer, x: F.linear(x, layer)) if path == "torch" else (lambda layer, x: layer(x))
+
+                def run() -> None:   # each output dropped at once, as a step's would be
                     for (k, _), layer in zip(shapes, stack):
-                        if path == "torch":
-                            F.linear(inputs[k], layer)
-                        else:
-                            layer(inputs[k])
-                    best[path] = min(best[path], time.perf_counter() - start)
+                        apply(layer, inputs[k])
+                return run
+
+            best = best_of(args.rounds, {path: one_step(path) for path in layers})
             ratio = (f"{best['onednn'] / best['native']:.2f}x" if "native" in best and "onednn" in best else "")
             print(f"| {rows} | " + " | ".join(f"{best[p] * 1e3:.1f}" for p in layers) + f" | {ratio} |")
 
