@@ -63,12 +63,30 @@ def decode_requests(batch: int, context: int) -> list[Request]:
     return requests
 
 
-def step_ms(runner: ModelRunner, sampler: Sampler, batch: int, context: int, iters: int) -> float:
+def decode_batch(runner: ModelRunner, batch: int, context: int) -> tuple[list[Request], dict[str, int],
+                                                                         dict[str, list[int]]]:
+    """``runner.prepare``'s arguments for one decode step of ``batch`` requests at ``context``
+    tokens: the requests, one scheduled token each, and their (consecutive) blocks."""
     requests = decode_requests(batch, context)
     blocks_per_seq = -(-(context + 1) // runner.block_size)
     block_ids = {r.request_id: list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                  for i, r in enumerate(requests)}
-    num_scheduled = {r.request_id: 1 for r in requests}
+    return requests, {r.request_id: 1 for r in requests}, block_ids
+
+
+def dummy_runner(folder: Path, name: str, max_batch: int, context: int, **overrides) -> ModelRunner:
+    """A model runner for the dummy-weight ``SHAPES[name]`` (config written into ``folder``)
+    with KV blocks for ``max_batch`` requests of ``context`` tokens."""
+    write_config(folder, SHAPES[name], max_len=max(4096, context + 16))
+    blocks = max_batch * (-(-(context + 1) // 16)) + 1
+    config = EngineConfig(model=str(folder), load_format="dummy", block_size=16, num_kv_blocks=blocks,
+                          max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
+                          max_model_len=context + 16, **overrides)
+    return ModelRunner(config, ModelArchitecture.from_folder(folder))
+
+
+def step_ms(runner: ModelRunner, sampler: Sampler, batch: int, context: int, iters: int) -> float:
+    requests, num_scheduled, block_ids = decode_batch(runner, batch, context)
 
     def one_step() -> None:
         input_ids, meta, sampling = runner.prepare(requests, num_scheduled, block_ids)
@@ -82,17 +100,10 @@ def step_ms(runner: ModelRunner, sampler: Sampler, batch: int, context: int, ite
 
 def run_shape(name: str, batches: list[int], context: int, eager: bool, device: torch.device,
               bandwidth: float, iters: int, fused_layer_ops: bool = True) -> list[dict]:
-    shape = SHAPES[name]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        write_config(folder, shape, max_len=max(4096, context + 16))
-        arch = ModelArchitecture.from_folder(folder)
-        max_batch = max(batches)
-        blocks = max_batch * (-(-(context + 1) // 16)) + 1
-        config = EngineConfig(model=str(folder), load_format="dummy", block_size=16, num_kv_blocks=blocks,
-                              max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
-                              max_model_len=context + 16, enforce_eager=eager, fused_layer_ops=fused_layer_ops)
-        runner = ModelRunner(config, arch)
+        runner = dummy_runner(Path(tmp), name, max(batches), context, enforce_eager=eager,
+                              fused_layer_ops=fused_layer_ops)
+        arch = runner.arch
         sampler = Sampler(0)
         element = torch.tensor([], dtype=runner.dtype).element_size()
         weight_bytes = sum(p.numel() for p in runner.model.parameters()) * element

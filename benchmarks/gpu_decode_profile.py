@@ -23,11 +23,8 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from backend.config import EngineConfig
-from backend.model.architecture import ModelArchitecture
 from backend.sample.sampler import Sampler
-from backend.worker.model_runner import ModelRunner
-from benchmarks.decode_roofline import SHAPES, decode_requests, write_config
+from benchmarks.decode_roofline import SHAPES, decode_batch, dummy_runner
 from benchmarks.kernels import HEAD_DIM, paged_inputs
 
 
@@ -63,20 +60,9 @@ def attention_plain_and_graphed(batch: int, context: int) -> tuple[float, float]
 
 def profile_engine_step(shape: str, batches: list[int], context: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        write_config(folder, SHAPES[shape], max_len=max(4096, context + 16))
-        arch = ModelArchitecture.from_folder(folder)
-        max_batch = max(batches)
-        blocks_per_seq = -(-(context + 1) // 16)
-        config = EngineConfig(model=str(folder), load_format="dummy", block_size=16,
-                              num_kv_blocks=max_batch * blocks_per_seq + 1, max_num_seqs=max_batch,
-                              max_num_batched_tokens=max(512, max_batch), max_model_len=context + 16)
-        runner, sampler = ModelRunner(config, arch), Sampler(0)
+        runner, sampler = dummy_runner(Path(tmp), shape, max(batches), context), Sampler(0)
         for batch in batches:
-            requests = decode_requests(batch, context)
-            block_ids = {r.request_id: list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-                         for i, r in enumerate(requests)}
-            scheduled = {r.request_id: 1 for r in requests}
+            requests, scheduled, block_ids = decode_batch(runner, batch, context)
             prepare = lambda: runner.prepare(requests, scheduled, block_ids)
             input_ids, meta, sampling = prepare()
             execute = lambda: runner.execute(input_ids, meta)

@@ -26,9 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_interpreter_enabled
 from kernels.triton_attention import KernelLaunch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Read once, as Triton reads it once when a kernel module is imported: the launches below are
+# on every layer of every step.
+_INTERPRETED = triton_interpreter_enabled()
 
 
 @triton.jit
@@ -44,15 +48,13 @@ def _round(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
 
 
 def _bf16_by_bits(dtype: torch.dtype) -> bool:
-    from kernels import triton_interpreter_enabled
-    return dtype == torch.bfloat16 and triton_interpreter_enabled()
+    return dtype == torch.bfloat16 and _INTERPRETED
 
 
 def _rows_per_program(rows: int) -> int:
     """One row (token) per program on a GPU. Triton's CPU interpreter pays ~5-10 ms a program
     whatever its size, so there a program takes up to 256 rows."""
-    from kernels import triton_interpreter_enabled
-    return min(triton.next_power_of_2(rows), 256) if triton_interpreter_enabled() else 1
+    return min(triton.next_power_of_2(rows), 256) if _INTERPRETED else 1
 
 
 @triton.jit

@@ -47,18 +47,24 @@ def _signature(launch) -> dict[str, str]:
     return sig
 
 
-def _compile(launch, dtype, what: str) -> list[str]:
-    """One launch for each target of ``dtype``: Ampere for bfloat16 only (the dtype we serve),
-    Hopper for everything. Labels start with the kernel, target and dtype."""
-    import torch
+def _compiled(launch, capability: int, warp_size: int = 32):
+    """``launch`` compiled ahead of time for one GPU target."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    return triton.compile(ASTSource(launch.kernel, _signature(launch), launch.constexprs),
+                          target=GPUTarget("cuda", capability, warp_size), options=dict(launch.options))
+
+
+def _compile(launch, dtype, what: str) -> list[str]:
+    """One launch for each target of ``dtype``: Ampere for bfloat16 only (the dtype we serve),
+    Hopper for everything. Labels start with the kernel, target and dtype."""
+    import torch
+
     done = []
     for capability, warp_size in TARGETS if dtype == torch.bfloat16 else TARGETS[:1]:
-        compiled = triton.compile(ASTSource(launch.kernel, _signature(launch), launch.constexprs),
-                                  target=GPUTarget("cuda", capability, warp_size), options=dict(launch.options))
+        compiled = _compiled(launch, capability, warp_size)
         label = (f"{launch.kernel.__name__} sm_{capability} {_type_names()[dtype]} {what}: "
                  f"{compiled.metadata.shared} B shared")
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], label
@@ -142,18 +148,9 @@ def compile_layer_ops(dtype_name: str) -> list[str]:
         done += _compile(launch, dtype, f"h{num_heads}/kv{num_kv_heads} d{head_dim}")
     # RoPE rounds each product as torch does: no multiply-add in its machine code (with Triton's
     # default contraction, sm_90 fused bfloat16 products and sums into fma.rn.bf16).
-    ptx = _ptx(launch, 90)
+    ptx = _compiled(launch, 90).asm["ptx"]      # Triton's cache: compiled above already
     assert "fma.rn" not in ptx and "mul.rn" in ptx, "rope_and_cache fuses its products"
     return done
-
-
-def _ptx(launch, capability: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    return triton.compile(ASTSource(launch.kernel, _signature(launch), launch.constexprs),
-                          target=GPUTarget("cuda", capability, 32), options=dict(launch.options)).asm["ptx"]
 
 
 def compile_all() -> list[str]:

@@ -182,7 +182,6 @@ class CausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
         self.layer_ops: ModuleType | None = None        # set by use_fused_layer_ops
-        self.fused_layer_ops: str | None = None         # its name: "c", "triton" or None
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,19 +240,26 @@ class CausalLM(nn.Module):
         ``triton`` one. Returns which (``"c"``, ``"triton"``) or None: the torch ops above run,
         the reference of both."""
         dtype = self.model.embed_tokens.weight.dtype
-        ops, name = None, None
+        ops = None
         if enabled and not self.arch.qk_norm:
             if (self.attention_backend == "cpu" and dtype in cpu_native.LAYER_OPS_SUFFIXES
                     and self.model.embed_tokens.weight.device.type == "cpu" and cpu_native.load() is not None):
-                ops, name = cpu_native, "c"
+                ops = cpu_native
             elif self.attention_backend == "triton":
                 from kernels import triton_layer_ops   # imported on first use, as the attention kernels are
                 if dtype in triton_layer_ops.DTYPES:
-                    ops, name = triton_layer_ops, "triton"
-        self.layer_ops, self.fused_layer_ops = ops, name
+                    ops = triton_layer_ops
+        self.layer_ops = ops
         for layer in self.model.layers:
             layer.self_attn.layer_ops = ops
-        return name
+        return self.fused_layer_ops
+
+    @property
+    def fused_layer_ops(self) -> str | None:
+        """Which fused layer ops run: ``"c"``, ``"triton"``, or None (the torch ops)."""
+        if self.layer_ops is None:
+            return None
+        return "c" if self.layer_ops is cpu_native else "triton"
 
     def pack_for_cpu(self, kind: str) -> None:
         """Repack every projection and the LM head for a CPU kernel (backend/model/cpu_linear.py):
