@@ -8,12 +8,13 @@ decode batches that CUDA graphs replay (run eagerly here: ``DecodeGraphs(capture
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes, collector_paused
 from tests.conftest import hf_greedy
 from tests.test_hf_equality import CONFIGS, MAX_NEW_TOKENS, assert_same_tokens, mixed_prompts, run_engine  # noqa: F401 (fixture)
 from tests.test_tiny_architectures import make_tiny_model
@@ -152,6 +153,42 @@ def test_capture_sizes() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    freed: list[str] = []
+
+    def __init__(self, name: str) -> None:
+        self.name, self.me = name, self
+
+    def __del__(self) -> None:
+        _Cycle.freed.append(self.name)
+
+
+def test_collector_paused_frees_cycles_first_then_none_until_restored() -> None:
+    """What graph capture relies on (an earlier engine's CUDAGraphs freed mid-capture once
+    invalidated one): garbage from before is collected on entry, garbage made inside waits."""
+    _Cycle.freed.clear()
+    assert gc.isenabled()
+    _Cycle("before")
+    with collector_paused():
+        assert _Cycle.freed == ["before"] and not gc.isenabled()
+        for i in range(20_000):              # far past generation 0's threshold
+            _Cycle(f"inside-{i}")
+        assert _Cycle.freed == ["before"]
+    assert gc.isenabled()
+    gc.collect()
+    assert len(_Cycle.freed) == 20_001
+    gc.disable()                             # a caller that had it off keeps it off
+    try:
+        with pytest.raises(RuntimeError):
+            with collector_paused():
+                raise RuntimeError
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch, tiny_llama) -> None:

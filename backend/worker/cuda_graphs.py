@@ -16,6 +16,10 @@ padding logic, which is everything here except the capture itself.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -32,6 +36,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off (after one full collection), restored on exit.
+
+    For graph capture: an unreachable object freed mid-capture can make a CUDA call that is
+    illegal while a stream captures. Seen on an H200: an earlier engine's four CUDAGraphs,
+    collected during the next engine's capture, each called ``cudaGraphExecDestroy`` ("operation
+    not permitted when stream is capturing (function reset)"), which invalidated that capture."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -94,16 +116,19 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
-        for batch_size in reversed(self.batch_sizes):
-            self._pad(0, batch_size)
-            self._forward(batch_size)               # warm-up: compiles the Triton kernels outside capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch_size] = self._forward(batch_size)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
+        with collector_paused():
+            # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
+            for batch_size in reversed(self.batch_sizes):
+                self._pad(0, batch_size)
+                self._forward(batch_size)           # warm-up: compiles the Triton kernels outside capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: another thread's CUDA calls (an old engine's loop thread freeing
+                # its graphs, say) do not invalidate this capture; this thread's still do.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.outputs[batch_size] = self._forward(batch_size)
+                pool = graph.pool()
+                self.graphs[batch_size] = graph
         torch.cuda.synchronize(self.device)
 
     def run(self, num_seqs: int) -> torch.Tensor:
