@@ -7,7 +7,12 @@ decoding sequence) through ``native`` (our kernel), ``onednn`` (prepacked) and `
 the machines are shared and their speed drifts.
 
     python -m benchmarks.cpu_linear --rows 1,16,64
-    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our bf16 kernel (AVX512_BF16, else AVX2)
+    python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our bf16 kernel (AMX, AVX512_BF16 or AVX2)
+    python -m benchmarks.cpu_linear --rows 1,2,4,16,64,512 --dtype bfloat16 --paths native,native-noamx,onednn
+
+``native-noamx`` is our bfloat16 kernel from a build without AMX tiles (``-mno-amx-tile
+-mno-amx-bf16``: the AVX512_BF16 dot products, or AVX2): on an AMX CPU, the AMX version against
+the one it replaces from 2 rows, in the same run.
 """
 
 from __future__ import annotations
@@ -20,9 +25,21 @@ import torch.nn.functional as F
 
 from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
-from backend.model.cpu_linear import PackedLinear, native_kernel_available, native_linear, onednn_packing_available
+from backend.model.cpu_linear import (PackedLinear, native_kernel_available, native_linear, onednn_packing_available,
+                                      pack_pairs)
 from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
+from kernels import cpu_native
+
+NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16")
+
+
+def native_without_amx(weight: torch.Tensor, bias: None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Our bfloat16 kernel as built without AMX tiles, over the same packed weight (no bias, as
+    the other makers are called here)."""
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + NO_AMX_CFLAGS))
+    packed, out_features = pack_pairs(weight), weight.shape[0]
+    return lambda x: cpu_native.linear_bf16(x, packed, out_features, None, library=library)
 
 
 def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
@@ -45,8 +62,9 @@ def main() -> None:
     torch.manual_seed(0)
     shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
-    makers = {"native": native_linear, "onednn": PackedLinear}
+    makers = {"native": native_linear, "native-noamx": native_without_amx, "onednn": PackedLinear}
     available = {"native": native_kernel_available(dtype),
+                 "native-noamx": dtype == torch.bfloat16 and native_kernel_available(dtype),
                  "onednn": onednn_packing_available(dtype), "torch": True}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):

@@ -172,12 +172,14 @@ def attention_path(dtype: torch.dtype, head_dim: int, library: ctypes.CDLL | Non
 
 
 # linear_bf16_isa()'s answer -> the version of the bfloat16 kernels a library was built with.
-LINEAR_BF16_VERSIONS = {2: "avx512-bf16", 1: "avx2"}
+# "amx-emulated" exists only in test builds (-DLINEAR_BF16_EMULATE_AMX).
+LINEAR_BF16_VERSIONS = {4: "amx-emulated", 3: "amx-bf16", 2: "avx512-bf16", 1: "avx2"}
 
 
 def linear_bf16_version(library: ctypes.CDLL | None = None) -> str | None:
-    """Which bfloat16 linear kernels a build has: ``avx512-bf16`` (dot products), ``avx2``
-    (bfloat16 widened to float32 in registers, for CPUs without bfloat16 arithmetic) or None."""
+    """Which bfloat16 linear kernels a build has: ``amx-bf16`` (AMX tiles from 2 rows, the
+    AVX512_BF16 dot products for one), ``avx512-bf16`` (dot products), ``avx2`` (bfloat16 widened
+    to float32 in registers, for CPUs without bfloat16 arithmetic) or None."""
     library = load() if library is None else library
     return None if library is None else LINEAR_BF16_VERSIONS.get(library.linear_bf16_isa())
 

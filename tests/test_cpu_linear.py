@@ -40,6 +40,8 @@ AMX_BF16 = CpuFeatures.of(*AVX512_BF16.flags, "amx_bf16", "amx_tile")
 
 def bf16_kernel_built_for(features: CpuFeatures) -> str | None:
     """The version of the bfloat16 kernel gcc -march=native builds on a CPU with these flags."""
+    if {"avx512_bf16", "amx_bf16", "amx_tile"} <= features.flags:
+        return "amx-bf16"
     if "avx512_bf16" in features.flags:
         return "avx512-bf16"
     return "avx2" if features.avx2 else None
@@ -54,7 +56,7 @@ def bf16_kernel_built_for(features: CpuFeatures) -> str | None:
     (AVX2, torch.bfloat16, "native"),         # the kernel's AVX2 version: docs/benchmarks.md, "bfloat16 on AVX2"
     (AVX512, torch.bfloat16, "native"),       # the same version (AVX-512 without BF16: not measured)
     (AVX512_BF16, torch.bfloat16, "native"),  # our kernel: 1.34x prepacked oneDNN at 16 rows
-    (AMX_BF16, torch.bfloat16, "onednn"),     # oneDNN's AMX tiles
+    (AMX_BF16, torch.bfloat16, "onednn"),     # oneDNN's AMX tiles; our AMX version not measured yet
     (AVX512_BF16, torch.float16, "torch"),
     (CpuFeatures.of(), torch.bfloat16, "torch"),
 ])

@@ -2,8 +2,9 @@
 widened operands, whose products are the same exact values (only the summation order
 differs): the projections (``NativeBf16Linear``, bfloat16 out, rounded once) and the LM head
 with float32 logits (``Float32Logits``). Each version of the kernels that this CPU can run is
-built and tested: AVX512_BF16 dot products, and AVX2 widening (built with -mno-avx512f on an
-AVX-512 CPU); a version the CPU cannot run is reported NOT RUN, naming what it lacks."""
+built and tested: AMX tiles, AVX512_BF16 dot products, AVX2 widening (built with -mno-avx512f on an
+AVX-512 CPU), and the AMX code over emulated tiles; a version the CPU cannot run is reported NOT
+RUN, naming what it lacks."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ from backend.model.cpu_features import detect
 from kernels import cpu_native
 
 # version -> (flags added to the engine's build, CPU flags it needs). Every build starts from
-# -march=native and switches off what the version must not use.
+# -march=native and switches off what the version must not use. "amx-emulated" is the AMX
+# version's code over tiles in plain C (kernels/csrc/linear_bf16.c): its blocking, padding,
+# grouping and epilogue run on every CPU with AVX2.
 KERNEL_VERSIONS = {
-    "avx512-bf16": ((), {"avx512f", "avx512_bf16"}),
+    "amx-bf16": ((), {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}),
+    "avx512-bf16": (("-mno-amx-tile", "-mno-amx-bf16"), {"avx512f", "avx512_bf16"}),
     "avx2": (("-mno-avx512f",), {"avx2", "fma"}),
+    "amx-emulated": (("-mno-avx512f", "-DLINEAR_BF16_EMULATE_AMX"), {"avx2", "fma"}),
 }
 
 
@@ -121,9 +126,11 @@ def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
 
 
 # Row counts cover both tilings of the AVX512_BF16 version (up to 16 rows one tile of all rows x
-# 1 panel, beyond them tiles of 8 rows x 3 panels with every shorter last tile) and the AVX2
-# version's (tiles of 4 rows, blocks of 48 rows); sizes cover one, two and three panels per tile,
-# partial panels (37, 20 outputs) and SmolLM2's shapes.
+# 1 panel, beyond them tiles of 8 rows x 3 panels with every shorter last tile), the AVX2
+# version's (tiles of 4 rows, blocks of 48 rows) and the AMX version's (one row by the dot
+# products; blocks of 16 rows, the last one padded; groups of 1, 2 and 4 panels); sizes cover one,
+# two and three panels per tile, partial panels (37, 20 outputs), k not a multiple of 32 (the AMX
+# build's fallback: 130, 8, 2) and SmolLM2's shapes.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 49, 64, 100])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 130), (20, 8), (16, 2), (48, 64)])
 @pytest.mark.parametrize("bias", [False, True])

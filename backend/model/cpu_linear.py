@@ -58,12 +58,13 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     | float32  | AVX2 + FMA, no AVX-512   | native | 1.4x oneDNN's (AMD EPYC Zen 2)                         |
     | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
     | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.34x prepacked oneDNN at 16 rows     |
-    | bfloat16 | AMX-BF16                 | onednn | oneDNN's AMX tiles (not measured against ours yet)     |
+    | bfloat16 | AMX-BF16                 | onednn | 1.12x our dot products at 16 rows (Xeon, 2 cores);     |
+    |          |                          |        | our AMX version (native there) not measured yet        |
     | bfloat16 | AVX2 + FMA, no bf16 math | native | our kernel's AVX2 version (widening): see the docs     |
     | other    | any                      | torch  | F.linear                                              |
 
-    ``native`` is our C kernel: float32 (AVX2 + FMA) or bfloat16 (AVX512_BF16, else AVX2 +
-    FMA). On a CPU with bfloat16 arithmetic only the AVX512_BF16 build of the bfloat16 kernel
+    ``native`` is our C kernel: float32 (AVX2 + FMA) or bfloat16 (AMX tiles from 2 rows where
+    the CPU has them, AVX512_BF16 dot products, else AVX2 + FMA). On a CPU with bfloat16 arithmetic only the AVX512_BF16 build of the bfloat16 kernel
     is ``native`` (a compiler that cannot target it leaves oneDNN). An explicit choice that
     cannot run here is an error at start-up. ``features`` defaults to this machine's (tests
     pass others)."""

@@ -36,8 +36,9 @@
  *
  * Built where the compiler targets AVX512_BF16 (-march=native on such a CPU). Elsewhere, with AVX2
  * and FMA, the same functions widen the packed bfloat16 to float32 in registers (below: the
- * version for CPUs without bfloat16 arithmetic). linear_bf16_isa() says which version was built:
- * 2, 1, or 0 without AVX2, where the engine uses oneDNN or F.linear.
+ * version for CPUs without bfloat16 arithmetic). Where the compiler also targets AMX, calls of 2
+ * rows and more run on AMX tiles (the last section). linear_bf16_isa() says which version was
+ * built: 3 (AMX), 2, 1, or 0 without AVX2, where the engine uses oneDNN or F.linear.
  * Each function returns 0, or -1 when its scratch memory could not be had (or nothing was built).
  */
 #include <stdint.h>
@@ -49,10 +50,12 @@
 #define ONE_TILE_ROWS 16    /* up to this many rows: one tile of all rows x one panel */
 #define PREFETCH_LINES 64   /* how far ahead the first row tile prefetches, per panel */
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-int linear_bf16_isa(void) { return 2; }
+#define LINEAR_BF16_BASE_ISA 2
 
 /* Rows [0, mr) of x times np panels from `panel` (panel_stride elements apart) into columns
  * [0, ncols) of y: float32 (yf) or bfloat16 (yb), row stride ldy; bias: float32 or NULL. */
@@ -116,8 +119,8 @@ static void tile_any(const int mr, const int np, const int64_t pairs, const uint
 #undef TILE
 }
 
-static void linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                   const float *bias, float *yf, uint16_t *yb, int num_threads) {
+static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR, pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
     const int one_tile = m <= ONE_TILE_ROWS;
     const int64_t group = one_tile ? 1 : NP, tile_rows = one_tile ? m : MR;
@@ -133,19 +136,6 @@ static void linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const u
                      bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column, r0 == 0);
         }
     }
-}
-
-/* x: [m, k] bfloat16, row stride ldx, k even; packed as above; y: [m, n] float32 contiguous. */
-int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                    float *y, int num_threads) {
-    linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads);
-    return 0;
-}
-
-/* The same with a bfloat16 y [m, n] contiguous, rounded once; bias: float32 [n] or NULL. */
-int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                const float *bias, uint16_t *y, int num_threads) {
-    linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
     return 0;
 }
 
@@ -166,14 +156,12 @@ int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint
 #include <immintrin.h>
 #include <stdlib.h>
 
-#include "bf16.h"
-
 #ifndef AVX2_MR
 #define AVX2_MR 4    /* rows per tile (at most 6; -DAVX2_MR=... to measure another) */
 #endif
 #define AVX2_MC 48
 
-int linear_bf16_isa(void) { return 1; }
+#define LINEAR_BF16_BASE_ISA 1
 
 static inline __attribute__((always_inline)) void tile(const int mr, const int64_t pairs, const float *restrict x,
                                                        const int64_t ldx, const uint16_t *restrict panel,
@@ -220,8 +208,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int64
     }
 }
 
-static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                  const float *bias, float *yf, uint16_t *yb, int num_threads) {
+static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR, pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
     float *wide = malloc(sizeof(float) * (size_t)(m * pairs * 2));
     if (wide == NULL) return -1;
@@ -260,31 +248,237 @@ static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
     free(wide);
     return 0;
 }
+#else
 
+#define LINEAR_BF16_BASE_ISA 0
+
+static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)bias, (void)yf, (void)yb, (void)num_threads;
+    return -1;
+}
+
+#endif
+
+/* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a Xeon with AMX the
+ * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls:
+ * 32.8 ms on 2 cores, where one row takes 14.0 ms, the memory's pace; docs/benchmarks.md, "Served
+ * on the Xeon with AMX"). One TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 columns of W:
+ * 8,192 products, against a dot product's 32.
+ * The packed weight needs no layout of its own: 16 consecutive pairs of a panel, [16 pairs][16
+ * columns][2] bfloat16, are 16 contiguous rows of 64 bytes, which is the B operand TDPBF16PS
+ * reads. An A tile is 16 rows of x by 32 k (64 bytes a row at x's row stride); a C tile is 16 x 16
+ * float32. Tiles 0-3 hold C (up to AMX_PANELS panels), 4 holds A, 5 and 6 take B in turn.
+ * Rows go in blocks of 16: when m is not a multiple of 16, x is copied into a zeroed block first.
+ * k must be a multiple of 32 (every hidden size in use is); otherwise, and below AMX_MIN_ROWS,
+ * the version above runs. With one block of rows (a decode step) a group is one panel, so the
+ * weight's one pass is split evenly between the threads; with more, a group of 2-4 panels shares
+ * each A tile load and later blocks read its panels from cache.
+ * Tile registers are per thread (each OpenMP thread loads the configuration, then releases it),
+ * and Linux lets a process use them only once asked (arch_prctl ARCH_REQ_XCOMP_PERM): refused,
+ * the version above runs.
+ * LINEAR_BF16_EMULATE_AMX (tests) builds this same code over tiles in plain C, on any CPU with
+ * the AVX2 version: the blocking, padding, grouping and epilogue are then checked everywhere, and
+ * only the four tile instructions and the configuration differ on the hardware. */
+#if LINEAR_BF16_BASE_ISA == 2 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(LINEAR_BF16_EMULATE_AMX)
+#define AMX_PATH 3
+#elif LINEAR_BF16_BASE_ISA >= 1 && defined(LINEAR_BF16_EMULATE_AMX)
+#define AMX_PATH 4
+#endif
+
+#ifdef AMX_PATH
+#include <stdlib.h>
+
+#define AMX_ROWS 16          /* rows of an A and a C tile */
+#define AMX_K 32             /* k of an A tile: 16 pairs, 64 bytes */
+#define AMX_PANELS 4         /* C tiles, so panels of a group at most */
+#define AMX_TILE_ELEMS 512   /* bfloat16 of one B tile: 16 pairs x 16 columns x 2 */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 2       /* one row streams the weight at the memory's pace without tiles */
+#endif
+#define AMX_PREFETCH_TILES 4 /* B tiles prefetched ahead in a panel, on the first block of rows */
+
+#if AMX_PATH == 4
+/* Plain C tiles with TDPBF16PS's arithmetic: C[m][n] += A[m][2i] B[i][2n] + A[m][2i+1] B[i][2n+1]. */
+static __thread uint8_t emulated_tiles[8][AMX_ROWS * 64];
+static void emulated_load(int t, const void *base, int64_t stride) {
+    for (int r = 0; r < AMX_ROWS; ++r) memcpy(emulated_tiles[t] + r * 64, (const uint8_t *)base + r * stride, 64);
+}
+static void emulated_store(int t, void *base, int64_t stride) {
+    for (int r = 0; r < AMX_ROWS; ++r) memcpy((uint8_t *)base + r * stride, emulated_tiles[t] + r * 64, 64);
+}
+static void emulated_dp(int c, int a, int b) {
+    float acc[AMX_ROWS][16];
+    uint16_t lhs[AMX_ROWS][32], rhs[16][32];
+    memcpy(acc, emulated_tiles[c], sizeof acc);
+    memcpy(lhs, emulated_tiles[a], sizeof lhs);
+    memcpy(rhs, emulated_tiles[b], sizeof rhs);
+    for (int r = 0; r < AMX_ROWS; ++r)
+        for (int col = 0; col < 16; ++col)
+            for (int i = 0; i < 16; ++i)
+                acc[r][col] += bf16_to_f32(lhs[r][2 * i]) * bf16_to_f32(rhs[i][2 * col]) +
+                               bf16_to_f32(lhs[r][2 * i + 1]) * bf16_to_f32(rhs[i][2 * col + 1]);
+    memcpy(emulated_tiles[c], acc, sizeof acc);
+}
+#define TILE_LOAD(t, base, stride) emulated_load(t, base, stride)
+#define TILE_STORE(t, base, stride) emulated_store(t, base, stride)
+#define TILE_ZERO(t) memset(emulated_tiles[t], 0, sizeof emulated_tiles[t])
+#define TILE_DP(c, a, b) emulated_dp(c, a, b)
+#define PREFETCH_TILE(at) ((void)(at))
+static int amx_granted(void) { return 1; }
+static void amx_configure(void) {}
+static void amx_release(void) {}
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+/* The tile number is an immediate: these take literal 0-6 only. */
+#define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define PREFETCH_TILE(at) do { for (int line = 0; line < 16; ++line) \
+    _mm_prefetch((const char *)(at) + line * 64, _MM_HINT_T0); } while (0)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static int amx_granted(void) {
+    static int state;    /* 0: not asked yet, 1: granted, -1: refused (asking again is harmless) */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+struct tile_config {     /* LDTILECFG's 64-byte operand, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];  /* bytes a row, per tile */
+    uint8_t rows[16];
+};
+static void amx_configure(void) {
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = AMX_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+static void amx_release(void) { _tile_release(); }
+#endif
+
+/* One block of 16 rows of x (row stride ldx) times np panels over the whole k, into out
+ * [16][np * 16] float32 (row stride np * 16). prefetch: also fetch B tiles ahead. */
+static inline __attribute__((always_inline)) void amx_block(const int np, const int64_t chunks, const uint16_t *x,
+                                                            const int64_t ldx, const uint16_t *panel,
+                                                            const int64_t panel_stride, float *out,
+                                                            const int prefetch) {
+    TILE_ZERO(0);
+    if (np > 1) TILE_ZERO(1);
+    if (np > 2) TILE_ZERO(2);
+    if (np > 3) TILE_ZERO(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+        TILE_LOAD(4, x + c * AMX_K, ldx * 2);
+#define PANEL(P, B) if (np > P) { \
+            const uint16_t *at = panel + P * panel_stride + c * AMX_TILE_ELEMS; \
+            if (prefetch) PREFETCH_TILE(at + AMX_PREFETCH_TILES * AMX_TILE_ELEMS); \
+            TILE_LOAD(B, at, 64); \
+            TILE_DP(P, 4, B); \
+        }
+        PANEL(0, 5)
+        PANEL(1, 6)
+        PANEL(2, 5)
+        PANEL(3, 6)
+#undef PANEL
+    }
+    const int64_t stride = (int64_t)np * 16 * sizeof(float);
+    TILE_STORE(0, out, stride);
+    if (np > 1) TILE_STORE(1, out + 16, stride);
+    if (np > 2) TILE_STORE(2, out + 32, stride);
+    if (np > 3) TILE_STORE(3, out + 48, stride);
+}
+
+/* Panels per group beyond one block of rows: the most (up to AMX_PANELS) whose groups still
+ * split evenly over the threads, or are many enough for the remainder not to matter. */
+static int64_t amx_group(const int64_t panels, const int64_t blocks, const int threads) {
+    if (blocks == 1) return 1;
+    for (int64_t group = AMX_PANELS; group > 1; group /= 2) {
+        const int64_t groups = (panels + group - 1) / group;
+        if (groups % threads == 0 || groups >= 8 * threads) return group;
+    }
+    return 1;
+}
+
+/* 0 done, -1 no memory, -2 not for this call (the version above runs). */
+static int linear_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                      const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    if (m < AMX_MIN_ROWS || k % AMX_K != 0 || !amx_granted()) return -2;
+    const int64_t panels = (n + NR - 1) / NR, panel_stride = k * NR, chunks = k / AMX_K;
+    const int64_t blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const uint16_t *rows = x;
+    int64_t ld = ldx;
+    uint16_t *copy = NULL;
+    if (m % AMX_ROWS != 0) {    /* a tile reads 16 rows: the last block's missing ones are zeros */
+        copy = calloc((size_t)(blocks * AMX_ROWS * k), sizeof *copy);
+        if (copy == NULL) return -1;
+        for (int64_t r = 0; r < m; ++r) memcpy(copy + r * k, x + r * ldx, (size_t)k * sizeof *copy);
+        rows = copy;
+        ld = k;
+    }
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int64_t group = amx_group(panels, blocks, threads), groups = (panels + group - 1) / group;
+#pragma omp parallel num_threads(threads)
+    {
+        float out[AMX_ROWS * AMX_PANELS * NR];
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t p0 = g * group, column = p0 * NR;
+            const int np = panels - p0 < group ? (int)(panels - p0) : (int)group;
+            const int64_t ncols = n - column < np * NR ? n - column : np * NR;
+            for (int64_t b = 0; b < blocks; ++b) {
+                amx_block(np, chunks, rows + b * AMX_ROWS * ld, ld, packed + p0 * panel_stride, panel_stride, out,
+                          b == 0);
+                const int64_t r0 = b * AMX_ROWS, mr = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
+                for (int64_t r = 0; r < mr; ++r)
+                    for (int64_t c = 0; c < ncols; ++c) {
+                        const float value = out[r * np * NR + c] + (bias ? bias[column + c] : 0.0f);
+                        if (yb) yb[(r0 + r) * n + column + c] = f32_to_bf16(value);
+                        else yf[(r0 + r) * n + column + c] = value;
+                    }
+            }
+        }
+        amx_release();
+    }
+    free(copy);
+    return 0;
+}
+#endif
+
+/* Which version this build runs: 4 AMX emulated (test builds), 3 AMX, 2 AVX512_BF16, 1 AVX2,
+ * 0 none (the functions below then return -1). */
+int linear_bf16_isa(void) {
+#ifdef AMX_PATH
+    return AMX_PATH;
+#else
+    return LINEAR_BF16_BASE_ISA;
+#endif
+}
+
+static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                  const float *bias, float *yf, uint16_t *yb, int num_threads) {
+#ifdef AMX_PATH
+    const int done = linear_amx(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
+    if (done != -2) return done;
+#endif
+    return linear_base(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
+}
+
+/* x: [m, k] bfloat16, row stride ldx, k even; packed as above; y: [m, n] float32 contiguous. */
 int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                     float *y, int num_threads) {
     return linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads);
 }
 
+/* The same with a bfloat16 y [m, n] contiguous, rounded once; bias: float32 [n] or NULL. */
 int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                 const float *bias, uint16_t *y, int num_threads) {
     return linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
 }
 
-#else
-
-int linear_bf16_isa(void) { return 0; }
-
-int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                    float *y, int num_threads) {
-    (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)y, (void)num_threads;
-    return -1;
-}
-
-int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                const float *bias, uint16_t *y, int num_threads) {
-    (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)bias, (void)y, (void)num_threads;
-    return -1;
-}
-
-#endif
