@@ -1,6 +1,6 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
 or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c),
-the bfloat16 linear layer and LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer, float32 or bfloat16 (kernels/csrc/layer_ops.c)
+the bfloat16 linear layer and LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer (residual add + RMSNorm, RoPE + KV write, SiLU x up), float32 or bfloat16 (kernels/csrc/layer_ops.c)
 and LoRA over a packed batch (kernels/csrc/lora.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
                                                                        "linear_bf16.c", "layer_ops.c", "lora.c"))
-HEADERS = (Path(__file__).resolve().parent / "csrc" / "bf16.h",)   # part of the build hash, not compiled alone
+HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("bf16.h", "vec_exp.h"))  # hashed, not compiled alone
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -123,6 +123,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, "rope_and_cache" + suffix).restype = None
         getattr(library, "rope_and_cache" + suffix).argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64,
                                                                 _I64]
+        getattr(library, "silu_and_mul" + suffix).restype = None
+        getattr(library, "silu_and_mul" + suffix).argtypes = [_P, _I64, _I64, _I64]
     for suffix in LAYER_OPS_SUFFIXES.values():
         getattr(library, "lora_apply" + suffix).restype = ctypes.c_int
         getattr(library, "lora_apply" + suffix).argtypes = [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64,
@@ -295,6 +297,13 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
     function = getattr(load(), "rope_and_cache" + LAYER_OPS_SUFFIXES[qkv.dtype])
     function(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(),
              value_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim)
+
+
+def silu_and_mul(gate_up: torch.Tensor, inter: int) -> None:
+    """The MLP's activation in place: ``gate_up`` [tokens, 2 * inter] (unit column stride) holds
+    [gate | up] per row; the gate half becomes ``SiLU(gate) * up``."""
+    function = getattr(load(), "silu_and_mul" + LAYER_OPS_SUFFIXES[gate_up.dtype])
+    function(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0))
 
 
 # LoRA (kernels/csrc/lora.c): per slot, one row of int64 fields, lora_slot_t's layout.

@@ -189,3 +189,38 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
     block_size, num_kv_heads, head_dim]."""
     if qkv.shape[0]:
         rope_and_cache_launch(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)()
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, num_rows, inter, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                         BF16_BY_BITS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+    mask = (rows < num_rows) & (cols < inter)
+    gate_at = x_ptr + rows.to(tl.int64) * stride_row + cols
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_at + inter, mask=mask, other=0.0).to(tl.float32)
+    # torch's two ops: SiLU (x / (1 + exp(-x)), rounded to the dtype), then the product, rounded.
+    silu = _round(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, BF16_BY_BITS).to(tl.float32)
+    tl.store(gate_at, _round(silu * up, dtype, BF16_BY_BITS), mask=mask)
+
+
+def silu_and_mul_launch(gate_up: torch.Tensor, inter: int) -> KernelLaunch:
+    rows = gate_up.shape[0]
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * inter
+    block_rows = _rows_per_program(rows)
+    # One program per row and 1,024 columns on a GPU; the whole width in the interpreter.
+    block_cols = triton.next_power_of_2(inter) if _INTERPRETED else min(1024, triton.next_power_of_2(inter))
+    return KernelLaunch(
+        _silu_and_mul_kernel, (triton.cdiv(rows, block_rows), triton.cdiv(inter, block_cols)),
+        (gate_up, rows, inter, gate_up.stride(0)),
+        dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16_BY_BITS=_bf16_by_bits(gate_up.dtype)),
+        dict(num_warps=4, enable_fp_fusion=False))
+
+
+def silu_and_mul(gate_up: torch.Tensor, inter: int) -> None:
+    """The MLP's activation in place: ``gate_up`` [tokens, 2 * inter] holds [gate | up] per row;
+    the gate half becomes ``SiLU(gate) * up``."""
+    if gate_up.shape[0]:
+        silu_and_mul_launch(gate_up, inter)()

@@ -1,6 +1,6 @@
 """The fused layer ops against the torch code they replace: ``RMSNorm`` after a residual add,
-and ``apply_rope`` + ``reshape_and_cache_reference`` (backend/model/llama.py,
-kernels/reference.py), then a whole model's logits with and without them. Both
+``apply_rope`` + ``reshape_and_cache_reference`` (backend/model/llama.py,
+kernels/reference.py) and the MLP's ``F.silu(gate, inplace=True).mul_(up)``, then a whole model's logits with and without them. Both
 implementations behind the one seam: C (kernels/csrc/layer_ops.c, the CPU path) and Triton
 (kernels/triton_layer_ops.py, the GPU path; here in Triton's interpreter, which conftest
 turns on where there is no GPU)."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.llama import CausalLM, RMSNorm, apply_rope
@@ -57,6 +58,9 @@ class TritonOnTheGpu:
 
     def rope_and_cache(self, qkv, cos, sin, slots, key_cache, value_cache, *heads) -> None:
         self._run(triton_layer_ops.rope_and_cache, [qkv, cos, sin, slots, key_cache, value_cache], *heads)
+
+    def silu_and_mul(self, gate_up, inter) -> None:
+        self._run(triton_layer_ops.silu_and_mul, [gate_up], inter)
 
 
 @pytest.fixture(params=list(LAYER_OPS))
@@ -250,3 +254,42 @@ def rope_gives_the_torch_bits(ops, dtype: torch.dtype, num_heads: int, num_kv_he
     assert torch.equal(key_cache.isnan(), ref_key.isnan()) and torch.equal(value_cache.isnan(), ref_value.isnan())
     written = ~ref_key.isnan()
     assert torch.equal(key_cache[written], ref_key[written]) and torch.equal(value_cache[written], ref_value[written])
+
+
+def silu_and_mul_case(ops, rows: int, inter: int, dtype: torch.dtype, row_padding: int,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [gate | up] projection output (rows padded with NaN past 2 * inter) through the fused op
+    and through the MLP's torch ops: (gate half after the op, torch's result, up half before and
+    after, padding after)."""
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.full((rows, 2 * inter + row_padding), float("nan"), dtype=dtype)
+    gate_up = storage[:, :2 * inter]
+    gate_up.copy_(torch.randn(rows, 2 * inter, generator=gen) * 3)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 30.0, -30.0])       # SiLU's edges: zero, saturated sigmoid
+    up_before = gate_up[:, inter:].clone()
+    expected = F.silu(gate_up[:, :inter].clone(), inplace=True).mul_(up_before)
+    ops.silu_and_mul(gate_up, inter)
+    return gate_up[:, :inter], expected, (up_before, gate_up[:, inter:]), storage[:, 2 * inter:]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("inter", [5, 64, 1536])
+@pytest.mark.parametrize("row_padding", [0, 3])
+def test_silu_and_mul_matches_silu_then_mul(ops, rows: int, inter: int, row_padding: int) -> None:
+    got, expected, (up_before, up_after), padding = silu_and_mul_case(ops, rows, inter, torch.float32, row_padding,
+                                                                      seed=rows * inter + row_padding)
+    # exp differs from torch's (Sleef's) in the last bits: a few float32 units at most.
+    torch.testing.assert_close(got, expected, rtol=4e-7, atol=1e-30)
+    assert torch.equal(up_after, up_before) and padding.isnan().all()
+
+
+@pytest.mark.parametrize("rows", [7, 300])
+@pytest.mark.parametrize("inter", [64, 1536])
+def test_silu_and_mul_bf16_rounds_like_the_torch_ops(ops, rows: int, inter: int) -> None:
+    """Both roundings where torch's two bfloat16 ops round: the bits agree but where a float32
+    SiLU a few units off torch's lands on the other side of a bfloat16 rounding boundary."""
+    got, expected, (up_before, up_after), _ = silu_and_mul_case(ops, rows, inter, torch.bfloat16, 0, seed=rows + inter)
+    unit = expected.float().abs() * 2.0 ** -7
+    assert ((got.float() - expected.float()).abs() <= unit).all()
+    assert (got.view(torch.int16) == expected.view(torch.int16)).float().mean() >= 0.999
+    assert torch.equal(up_after, up_before)

@@ -145,14 +145,19 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.layer_ops: ModuleType | None = None   # set by CausalLM.use_fused_layer_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         add_lora(gate_up, x, self.layer, "gate_up")
         # Slices, not .split(): the same views for a fraction of the Python cost (~40 us a layer).
         gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
-        # In place on the projection's own output: no extra activations allocated.
-        act = F.silu(gate, inplace=True).mul_(up)
+        if self.layer_ops is not None and gate_up.dim() == 2:
+            self.layer_ops.silu_and_mul(gate_up, self.intermediate_size)   # gate := SiLU(gate) * up, one pass
+            act = gate
+        else:
+            # In place on the projection's own output: no extra activations allocated.
+            act = F.silu(gate, inplace=True).mul_(up)
         out = self.down_proj(act)
         add_lora(out, act, self.layer, "down")
         return out
@@ -234,8 +239,8 @@ class CausalLM(nn.Module):
                 h += mlp
 
     def use_fused_layer_ops(self, enabled: bool) -> str | None:
-        """Fuse RMSNorm with the residual add and RoPE with the K/V cache write where they apply
-        (no q/k norm): in C (kernels/csrc/layer_ops.c) with the ``cpu`` attention backend, in
+        """Fuse RMSNorm with the residual add, RoPE with the K/V cache write and the MLP's SiLU
+        with its product where they apply (no q/k norm): in C (kernels/csrc/layer_ops.c) with the ``cpu`` attention backend, in
         float32 or bfloat16, the C library built; in Triton (kernels/triton_layer_ops.py) with the
         ``triton`` one. Returns which (``"c"``, ``"triton"``) or None: the torch ops above run,
         the reference of both."""
@@ -252,6 +257,7 @@ class CausalLM(nn.Module):
         self.layer_ops = ops
         for layer in self.model.layers:
             layer.self_attn.layer_ops = ops
+            layer.mlp.layer_ops = ops
         return self.fused_layer_ops
 
     @property

@@ -11,14 +11,19 @@
  * torch computes in float32 and rounds its result to nearest even): the residual add, the
  * normalised value before the weight, the product with the weight, and in RoPE each of the
  * two products and their sum. So they give torch's bits, but for the float32 sum of squares,
- * whose order differs.
+ * whose order differs, and SiLU's exp (a polynomial within 2 ulp of expf, where torch uses
+ * Sleef's): its float32 result may differ in the last bits, so a bfloat16 one rarely.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
+#include "vec_exp.h"
 
 /* float32 -> bfloat16 -> float32: what a bfloat16 torch op's result holds. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
@@ -124,5 +129,67 @@ void rope_and_cache_bf16(bf16_t *restrict qkv, int64_t qkv_stride, const bf16_t 
         const bf16_t *k = row + num_heads * head_dim, *v = k + kv_size;
         memcpy(key_cache + slots[t] * kv_size, k, sizeof(bf16_t) * kv_size);
         memcpy(value_cache + slots[t] * kv_size, v, sizeof(bf16_t) * kv_size);
+    }
+}
+
+/* SiLU(x) = x / (1 + exp(-x)) on n float32 values in place. exp(-|x|) keeps the polynomial's
+ * argument <= 0: for x < 0, SiLU(x) = x e / (1 + e) with e = exp(x). */
+static void silu_in_place(float *restrict v, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        const __m512 e = exp_ps512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
+        _mm512_storeu_ps(v + i, _mm512_div_ps(numerator, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+        const __m256 e = exp_ps256(_mm256_or_ps(x, sign));            /* -|x| */
+        const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
+        _mm256_storeu_ps(v + i, _mm256_div_ps(numerator, _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    }
+#endif
+    for (; i < n; ++i) v[i] = v[i] / (1.0f + expf(-v[i]));
+}
+
+/* The MLP's activation on the fused gate_up projection, in place: for each of `rows` rows
+ * (row stride ld) of [gate (inter) | up (inter)], gate = SiLU(gate) * up; the result is the gate
+ * half, the down projection's input. What F.silu(gate, inplace=True).mul_(up) did in two
+ * passes (and, in bfloat16, two dispatches with a conversion each) over the step's activations. */
+/* A prefill's rows are shared out to torch's OpenMP threads; a decode step's few stay on one
+ * (a fork and join costs more than they do). */
+#define SILU_PARALLEL_ELEMENTS (1 << 16)
+void silu_and_mul_f32(float *restrict x, int64_t rows, int64_t inter, int64_t ld) {
+#pragma omp parallel for schedule(static) if (rows * inter >= SILU_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *gate = x + r * ld;
+        const float *up = gate + inter;
+        silu_in_place(gate, inter);
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) gate[i] *= up[i];
+    }
+}
+
+/* bfloat16: SiLU rounded to bfloat16, then the product rounded (torch's two ops' roundings). */
+#define SILU_CHUNK 256
+void silu_and_mul_bf16(bf16_t *restrict x, int64_t rows, int64_t inter, int64_t ld) {
+#pragma omp parallel for schedule(static) if (rows * inter >= SILU_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float wide[SILU_CHUNK];
+        bf16_t *gate = x + r * ld;
+        const bf16_t *up = gate + inter;
+        for (int64_t c0 = 0; c0 < inter; c0 += SILU_CHUNK) {
+            const int64_t n = inter - c0 < SILU_CHUNK ? inter - c0 : SILU_CHUNK;
+#pragma omp simd
+            for (int64_t i = 0; i < n; ++i) wide[i] = bf16_to_f32(gate[c0 + i]);
+            silu_in_place(wide, n);
+#pragma omp simd
+            for (int64_t i = 0; i < n; ++i) gate[c0 + i] = f32_to_bf16(round_bf16(wide[i]) * bf16_to_f32(up[c0 + i]));
+        }
     }
 }
