@@ -126,10 +126,11 @@ def compile_lora(dtype_name: str) -> list[str]:
 
 def compile_layer_ops(dtype_name: str) -> list[str]:
     """The fused layer ops: add_rms_norm at SmolLM2's, Llama 1B's, 8B's and 70B's hidden sizes
-    (with and without the residual delta), rope_and_cache over the attention layouts."""
+    (with and without the residual delta), rope_and_cache over the attention layouts,
+    silu_and_mul at SmolLM2's and Llama 8B's intermediate sizes."""
     import torch
 
-    from kernels.triton_layer_ops import add_rms_norm_launch, rope_and_cache_launch
+    from kernels.triton_layer_ops import add_rms_norm_launch, rope_and_cache_launch, silu_and_mul_launch
 
     dtype = getattr(torch, dtype_name)
     meta = torch.device("meta")
@@ -146,6 +147,9 @@ def compile_layer_ops(dtype_name: str) -> list[str]:
         launch = rope_and_cache_launch(qkv, cos, cos, torch.empty(64, dtype=torch.int64, device=meta), cache, cache,
                                        num_heads, num_kv_heads, head_dim)
         done += _compile(launch, dtype, f"h{num_heads}/kv{num_kv_heads} d{head_dim}")
+    for inter in (1536, 14336):
+        gate_up = torch.empty(64, 2 * inter, dtype=dtype, device=meta)
+        done += _compile(silu_and_mul_launch(gate_up, inter), dtype, f"intermediate {inter}")
     # RoPE rounds each product as torch does: no multiply-add in its machine code (with Triton's
     # default contraction, sm_90 fused bfloat16 products and sums into fma.rn.bf16).
     ptx = _compiled(launch, 90).asm["ptx"]      # Triton's cache: compiled above already
@@ -178,9 +182,9 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
     assert len(compiled) >= 2 * 3 * (len(LAYOUTS) * len(TARGETS) + 2 * len(OTHER_DTYPE_LAYOUTS)), done.stdout[-2000:]
     lora = [line for line in compiled if line.startswith("_lora_")]
     assert len(lora) == 2 * 2 * (2 + 1 + 1), lora   # 2 kernels x 2 shapes x (bf16 on two targets, fp16, fp32)
-    layer_ops = [line for line in compiled if line.startswith(("_add_rms_norm", "_rope_and_cache"))]
-    # (8 norms + the rope of each layout) x (bf16 on two targets, fp16, fp32)
-    assert len(layer_ops) == (8 + len(LAYOUTS)) * (2 + 1 + 1), layer_ops
+    layer_ops = [line for line in compiled if line.startswith(("_add_rms_norm", "_rope_and_cache", "_silu_and_mul"))]
+    # (8 norms + the rope of each layout + 2 SiLUs) x (bf16 on two targets, fp16, fp32)
+    assert len(layer_ops) == (8 + len(LAYOUTS) + 2) * (2 + 1 + 1), layer_ops
 
 
 if __name__ == "__main__":
