@@ -65,7 +65,7 @@ class EngineConfig:
                                                # prepacked oneDNN (float32, bfloat16) or plain
                                                # F.linear; auto: by CPU features and dtype, the measured
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear
-    fused_layer_ops: bool = True               # residual add + RMSNorm and RoPE + KV write fused: in C on CPU
+    fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
                                                # backend (kernels/triton_layer_ops.py); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps

@@ -161,35 +161,46 @@ static void silu_in_place(float *restrict v, int64_t n) {
  * (row stride ld) of [gate (inter) | up (inter)], gate = SiLU(gate) * up; the result is the gate
  * half, the down projection's input. What F.silu(gate, inplace=True).mul_(up) did in two
  * passes (and, in bfloat16, two dispatches with a conversion each) over the step's activations. */
-/* A prefill's rows are shared out to torch's OpenMP threads; a decode step's few stay on one
- * (a fork and join costs more than they do). */
-#define SILU_PARALLEL_ELEMENTS (1 << 16)
-void silu_and_mul_f32(float *restrict x, int64_t rows, int64_t inter, int64_t ld) {
-#pragma omp parallel for schedule(static) if (rows * inter >= SILU_PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        float *gate = x + r * ld;
-        const float *up = gate + inter;
-        silu_in_place(gate, inter);
+static void silu_and_mul_row_f32(float *restrict gate, int64_t inter) {
+    const float *up = gate + inter;
+    silu_in_place(gate, inter);
 #pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) gate[i] *= up[i];
-    }
+    for (int64_t i = 0; i < inter; ++i) gate[i] *= up[i];
 }
 
 /* bfloat16: SiLU rounded to bfloat16, then the product rounded (torch's two ops' roundings). */
 #define SILU_CHUNK 256
-void silu_and_mul_bf16(bf16_t *restrict x, int64_t rows, int64_t inter, int64_t ld) {
-#pragma omp parallel for schedule(static) if (rows * inter >= SILU_PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        float wide[SILU_CHUNK];
-        bf16_t *gate = x + r * ld;
-        const bf16_t *up = gate + inter;
-        for (int64_t c0 = 0; c0 < inter; c0 += SILU_CHUNK) {
-            const int64_t n = inter - c0 < SILU_CHUNK ? inter - c0 : SILU_CHUNK;
+static void silu_and_mul_row_bf16(bf16_t *restrict gate, int64_t inter) {
+    const bf16_t *up = gate + inter;
+    float wide[SILU_CHUNK];
+    for (int64_t c0 = 0; c0 < inter; c0 += SILU_CHUNK) {
+        const int64_t n = inter - c0 < SILU_CHUNK ? inter - c0 : SILU_CHUNK;
 #pragma omp simd
-            for (int64_t i = 0; i < n; ++i) wide[i] = bf16_to_f32(gate[c0 + i]);
-            silu_in_place(wide, n);
+        for (int64_t i = 0; i < n; ++i) wide[i] = bf16_to_f32(gate[c0 + i]);
+        silu_in_place(wide, n);
 #pragma omp simd
-            for (int64_t i = 0; i < n; ++i) gate[c0 + i] = f32_to_bf16(round_bf16(wide[i]) * bf16_to_f32(up[c0 + i]));
-        }
+        for (int64_t i = 0; i < n; ++i) gate[c0 + i] = f32_to_bf16(round_bf16(wide[i]) * bf16_to_f32(up[c0 + i]));
     }
+}
+
+/* A prefill's rows are shared out to torch's OpenMP threads. A decode step's few stay on this
+ * thread outside any parallel region (an `if (0)` region still has libgomp start a team of one,
+ * between the matmuls' teams of every thread). */
+#define SILU_PARALLEL_ELEMENTS (1 << 16)
+void silu_and_mul_f32(float *restrict x, int64_t rows, int64_t inter, int64_t ld) {
+    if (rows * inter < SILU_PARALLEL_ELEMENTS) {
+        for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_f32(x + r * ld, inter);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_f32(x + r * ld, inter);
+}
+
+void silu_and_mul_bf16(bf16_t *restrict x, int64_t rows, int64_t inter, int64_t ld) {
+    if (rows * inter < SILU_PARALLEL_ELEMENTS) {
+        for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_bf16(x + r * ld, inter);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_bf16(x + r * ld, inter);
 }
