@@ -37,6 +37,16 @@ def test_cpu_linear_benchmark_runs() -> None:
     assert done.stdout.count("x |") == 2      # one speed-up per row count
 
 
+def test_silu_and_mul_benchmark_runs() -> None:
+    """The fused SiLU x up against the torch ops: the op alone and alternating decode steps."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.silu_and_mul", "--dtypes", "bfloat16", "--batch", "2",
+                           "--rounds", "2", "--steps", "1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("| bfloat16 |") == 3      # two op rows (decode rows, 512) and one step row
+
+
 def test_sampling_draw_benchmark_runs() -> None:
     """The sampled-decode comparison of the two draws runs both and restores the engine's."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.sampling_draw", "--streams", "2", "--max-tokens", "4",

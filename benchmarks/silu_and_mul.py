@@ -1,0 +1,91 @@
+"""The MLP's SiLU x up, fused (``kernels.cpu_native.silu_and_mul``) against the torch ops it
+replaces (``F.silu(gate, inplace=True).mul_(up)``), on CPU: first the op alone over 30 layers'
+activations, then whole decode steps of one engine whose MLPs switch between the two every
+round (alternating in one process: these machines' speed drifts).
+
+    python -m benchmarks.silu_and_mul                      # SmolLM2 shapes, random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backend import Engine, EngineConfig
+from backend.model.architecture import ModelArchitecture
+from benchmarks.common import best_of
+from benchmarks.decode_breakdown import start_decodes
+from benchmarks.step_cost import cpu_name
+from kernels import cpu_native
+
+
+def op_alone(inter: int, layers: int, rows: int, dtype: torch.dtype, rounds: int) -> dict[str, float]:
+    """Seconds for `layers` calls on [rows, 2 * inter] activations, best round of each."""
+    base = (torch.randn(rows, 2 * inter) * 3).to(dtype)
+    buffers = [base.clone() for _ in range(layers)]
+
+    def run(fused: bool):
+        def once() -> None:
+            for b in buffers:
+                b.copy_(base)            # fresh inputs for each call: both pay the same copy
+                if fused:
+                    cpu_native.silu_and_mul(b, inter)
+                else:
+                    F.silu(b[:, :inter], inplace=True).mul_(b[:, inter:])
+        return once
+    return best_of(rounds, {"torch": run(False), "fused": run(True)})
+
+
+def decode_steps(model: str, dtype: str, batch: int, rounds: int, steps: int) -> dict[str, float]:
+    """Median ms a decode step, the MLPs' activation by torch ops or fused, alternating rounds."""
+    engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=batch, num_kv_blocks=2048,
+                                 load_format="dummy", enable_prefix_caching=False, itl_target_ms=0.0))
+    rng = random.Random(0)
+    start_decodes(engine, [rng.randint(64, 192) for _ in range(batch)], rng)
+    mlps = [layer.mlp for layer in engine.runner.model.model.layers]
+    fused_ops = mlps[0].layer_ops
+    assert fused_ops is cpu_native, "the engine runs without the C layer ops here"
+    times: dict[str, list[float]] = {"torch": [], "fused": []}
+    for r in range(rounds):
+        for name in (("torch", "fused") if r % 2 else ("fused", "torch")):
+            for mlp in mlps:
+                mlp.layer_ops = fused_ops if name == "fused" else None
+            engine.step()                # one unmeasured step after each switch
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EngineConfig.model)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    arch = ModelArchitecture.from_folder(args.model)
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; intermediate {arch.intermediate_size}, "
+          f"{arch.num_layers} layers")
+    print("| dtype | rows | op: torch ms | op: fused ms | speed-up |\n|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        for rows in (args.batch, 512):
+            best = op_alone(arch.intermediate_size, arch.num_layers, rows, getattr(torch, dtype), args.rounds)
+            print(f"| {dtype} | {rows} | {best['torch'] * 1e3:.2f} | {best['fused'] * 1e3:.2f} | "
+                  f"{best['torch'] / best['fused']:.2f}x |")
+    print(f"\n| dtype | decode step, torch SiLU (ms) | fused (ms) | saved |\n|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        step = decode_steps(args.model, dtype, args.batch, args.rounds, args.steps)
+        print(f"| {dtype} | {step['torch']:.1f} | {step['fused']:.1f} | {step['torch'] - step['fused']:+.1f} ms "
+              f"({step['torch'] / step['fused']:.3f}x) |")
+
+
+if __name__ == "__main__":
+    main()
