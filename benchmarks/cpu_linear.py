@@ -12,7 +12,11 @@ the machines are shared and their speed drifts.
 
 ``native-noamx`` is our bfloat16 kernel from a build without AMX tiles (``-mno-amx-tile
 -mno-amx-bf16``: the AVX512_BF16 dot products, or AVX2): on an AMX CPU, the AMX version against
-the one it replaces from 2 rows, in the same run.
+the one it replaces from 2 rows, in the same run. ``--variant NAME=CFLAGS`` adds more builds of
+it as paths, e.g. the AMX version's knobs:
+
+    python -m benchmarks.cpu_linear --dtype bfloat16 --rows 1,2,4,16 --variant amx-from-1=-DAMX_MIN_ROWS=1 \
+        --variant amx-no-prefetch=-DAMX_PREFETCH_TILES=0 --paths native,amx-from-1,amx-no-prefetch,onednn
 """
 
 from __future__ import annotations
@@ -34,12 +38,16 @@ from kernels import cpu_native
 NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16")
 
 
-def native_without_amx(weight: torch.Tensor, bias: None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Our bfloat16 kernel as built without AMX tiles, over the same packed weight (no bias, as
-    the other makers are called here)."""
-    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + NO_AMX_CFLAGS))
-    packed, out_features = pack_pairs(weight), weight.shape[0]
-    return lambda x: cpu_native.linear_bf16(x, packed, out_features, None, library=library)
+def kernel_build(cflags: tuple[str, ...]) -> Callable[[torch.Tensor, None], Callable[[torch.Tensor], torch.Tensor]]:
+    """A maker of layers running our bfloat16 kernel from a build with these extra flags, over
+    the same packed weight (no bias, as the other makers are called here)."""
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + cflags))
+    cpu_native.use_amx(True, library)        # as the engine runs it with cpu_linear=native
+
+    def make(weight: torch.Tensor, bias: None) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed, out_features = pack_pairs(weight), weight.shape[0]
+        return lambda x: cpu_native.linear_bf16(x, packed, out_features, None, library=library)
+    return make
 
 
 def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
@@ -57,22 +65,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--paths", default="native,onednn,torch")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=CFLAGS",
+                        help="bfloat16: a build of our kernel with these extra gcc flags, as path NAME")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
-    makers = {"native": native_linear, "native-noamx": native_without_amx, "onednn": PackedLinear}
-    available = {"native": native_kernel_available(dtype),
-                 "native-noamx": dtype == torch.bfloat16 and native_kernel_available(dtype),
-                 "onednn": onednn_packing_available(dtype), "torch": True}
+    builds = {"native-noamx": NO_AMX_CFLAGS}
+    builds.update((name, tuple(flags.split())) for name, _, flags in (v.partition("=") for v in args.variant))
+    bf16_kernel = dtype == torch.bfloat16 and native_kernel_available(dtype)
+    makers = {"native": native_linear, "onednn": PackedLinear}
+    makers.update((name, kernel_build(flags)) for name, flags in builds.items()
+                  if bf16_kernel and name in args.paths.split(","))     # each build compiled once
+    available = {"native": native_kernel_available(dtype), "onednn": onednn_packing_available(dtype), "torch": True,
+                 **{name: bf16_kernel for name in builds}}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):
         if not available[path]:
             print(f"{path}: not available here, skipped")
             continue
         layers[path] = weights if path == "torch" else [makers[path](w, None) for w in weights]
-    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, {len(shapes)} matmuls per step, "
+    amx = dtype == torch.bfloat16 and cpu_native.use_amx(True)   # native: as the engine runs it
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, native AMX tiles {'on' if amx else 'off'}, "
+          f"{len(shapes)} matmuls per step, "
           f"{sum(k * n for k, n in shapes) * weights[0].element_size() / 1e6:.0f} MB of {args.dtype} weights")
     print("| rows | " + " | ".join(f"{p} ms" for p in layers) + " | native speed-up over onednn |")
     print("|---" * (len(layers) + 2) + "|")

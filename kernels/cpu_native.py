@@ -111,6 +111,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.linear_f32_supported.argtypes = []
     library.linear_bf16_isa.restype = ctypes.c_int
     library.linear_bf16_isa.argtypes = []
+    library.linear_bf16_use_amx.restype = ctypes.c_int
+    library.linear_bf16_use_amx.argtypes = [ctypes.c_int]
     library.linear_bf16_f32.restype = ctypes.c_int
     library.linear_bf16_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, ctypes.c_int]
     library.linear_bf16.restype = ctypes.c_int
@@ -124,7 +126,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, "rope_and_cache" + suffix).argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64,
                                                                 _I64]
         getattr(library, "silu_and_mul" + suffix).restype = None
-        getattr(library, "silu_and_mul" + suffix).argtypes = [_P, _I64, _I64, _I64]
+        getattr(library, "silu_and_mul" + suffix).argtypes = [_P, _I64, _I64, _I64, ctypes.c_int]
     for suffix in LAYER_OPS_SUFFIXES.values():
         getattr(library, "lora_apply" + suffix).restype = ctypes.c_int
         getattr(library, "lora_apply" + suffix).argtypes = [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64,
@@ -179,11 +181,19 @@ LINEAR_BF16_VERSIONS = {4: "amx-emulated", 3: "amx-bf16", 2: "avx512-bf16", 1: "
 
 
 def linear_bf16_version(library: ctypes.CDLL | None = None) -> str | None:
-    """Which bfloat16 linear kernels a build has: ``amx-bf16`` (AMX tiles from 2 rows, the
-    AVX512_BF16 dot products for one), ``avx512-bf16`` (dot products), ``avx2`` (bfloat16 widened
+    """Which bfloat16 linear kernels a build has: ``amx-bf16`` (AMX tiles from 2 rows once
+    ``use_amx``, the AVX512_BF16 dot products otherwise), ``avx512-bf16`` (dot products), ``avx2`` (bfloat16 widened
     to float32 in registers, for CPUs without bfloat16 arithmetic) or None."""
     library = load() if library is None else library
     return None if library is None else LINEAR_BF16_VERSIONS.get(library.linear_bf16_isa())
+
+
+def use_amx(on: bool, library: ctypes.CDLL | None = None) -> bool:
+    """Turn the bfloat16 kernel's AMX version on or off for this process (off until asked: the
+    engine turns it on with ``cpu_linear=native``); whether it now runs. False where it is not
+    built (no AMX, or no gcc) or where the OS refused the process AMX state."""
+    library = load() if library is None else library
+    return library is not None and bool(library.linear_bf16_use_amx(int(on)))
 
 
 def linear_bf16_available() -> bool:
@@ -303,7 +313,7 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> None:
     """The MLP's activation in place: ``gate_up`` [tokens, 2 * inter] (unit column stride) holds
     [gate | up] per row; the gate half becomes ``SiLU(gate) * up``."""
     function = getattr(load(), "silu_and_mul" + LAYER_OPS_SUFFIXES[gate_up.dtype])
-    function(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0))
+    function(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), torch.get_num_threads())
 
 
 # LoRA (kernels/csrc/lora.c): per slot, one row of int64 fields, lora_slot_t's layout.

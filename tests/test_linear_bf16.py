@@ -44,6 +44,10 @@ def bf16_library(request) -> ctypes.CDLL:
                     f"which this CPU lacks")
     library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra_flags))
     assert cpu_native.linear_bf16_version(library) == request.param
+    # The AMX versions run only once turned on; on real AMX hardware this also fails, rather than
+    # testing the dot products under AMX's name, if the OS refuses the process AMX state.
+    amx = cpu_native.use_amx(True, library)
+    assert amx == request.param.startswith("amx"), f"{request.param}: AMX tiles {'on' if amx else 'refused'}"
     return library
 
 
@@ -62,6 +66,26 @@ def within_one_rounding(got: torch.Tensor, exact: torch.Tensor, in_features: int
     unit = exact.abs() * 2.0 ** -7
     error = (got.float() - exact).abs()
     assert (error <= unit + 1e-6 * in_features).all(), (error - unit).max()
+
+
+def test_amx_stays_off_until_asked() -> None:
+    """The AMX version is opt-in (the engine turns it on with cpu_linear=native): a fresh build
+    runs the dot products until asked, and can be turned off again."""
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + ("-mno-avx512f",
+                                                                                      "-DLINEAR_BF16_EMULATE_AMX")))
+    gen = torch.Generator().manual_seed(11)
+    weight, x = torch.randn(64, 64, generator=gen).bfloat16(), torch.randn(5, 64, generator=gen).bfloat16()
+    exact = F.linear(x.float(), weight.float())
+    packed = pack_pairs(weight)
+    tile_products = library.linear_bf16_emulated_tile_products   # test builds only
+    tile_products.restype = ctypes.c_int64
+    for on, tiles in ((None, 0), (True, 4 * 2), (False, 0)):     # 4 panels x 2 chunks of 32 k, one block
+        if on is not None:
+            assert cpu_native.use_amx(on, library) == on
+        before = tile_products()
+        got = cpu_native.linear_bf16_f32(x, packed, 64, library=library)
+        torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5)
+        assert tile_products() - before == tiles
 
 
 def test_which_path_runs_here() -> None:

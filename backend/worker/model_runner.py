@@ -103,8 +103,12 @@ class ModelRunner:
         self.cpu_linear = resolve_cpu_linear(config.cpu_linear, self.dtype, self.device.type == "cpu")
         if self.device.type == "cpu":
             bf16_kernel = self.cpu_linear == "native" and self.dtype == torch.bfloat16
+            # Our bfloat16 kernel's AMX tiles run only where cpu_linear chose our kernel (it also
+            # serves the LM head of a model whose projections go to oneDNN).
+            amx = cpu_native.use_amx(bf16_kernel) if self.dtype == torch.bfloat16 else False
+            version = "amx-bf16 (AMX tiles on)" if amx else cpu_native.linear_bf16_version()
             logger.info("CPU %s, %s weights: linear layers %s%s", detect().describe(), str(self.dtype)[6:],
-                        self.cpu_linear, f" ({cpu_native.linear_bf16_version()} kernel)" if bf16_kernel else "")
+                        self.cpu_linear, f" ({version} kernel)" if bf16_kernel else "")
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops)
         logger.info("fused layer ops (RMSNorm + residual, RoPE + KV write): %s",

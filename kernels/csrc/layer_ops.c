@@ -133,13 +133,18 @@ void rope_and_cache_bf16(bf16_t *restrict qkv, int64_t qkv_stride, const bf16_t 
 }
 
 /* SiLU(x) = x / (1 + exp(-x)) on n float32 values in place. exp(-|x|) keeps the polynomial's
- * argument <= 0: for x < 0, SiLU(x) = x e / (1 + e) with e = exp(x). */
+ * argument <= 0: for x < 0, SiLU(x) = x e / (1 + e) with e = exp(x). Below EXP_LOWEST (-87.3) e
+ * is 0 (the polynomial would clamp it to exp(-87.3) and give x * 1e-38: -3.7 at x = -3e38), so
+ * SiLU there is -0.0, and NaN at -inf, as torch's; from -87.3 to -104 torch's exp still gives a
+ * denormal, so torch's SiLU is a negative value below 4e-36 in magnitude there. */
 static void silu_in_place(float *restrict v, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
         const __m512 x = _mm512_loadu_ps(v + i);
-        const __m512 e = exp_ps512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 neg_abs = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));
+        const __mmask16 underflow = _mm512_cmp_ps_mask(neg_abs, _mm512_set1_ps(EXP_LOWEST), _CMP_LT_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(~underflow, exp_ps512(neg_abs));
         const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
         const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
         _mm512_storeu_ps(v + i, _mm512_div_ps(numerator, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
@@ -148,7 +153,9 @@ static void silu_in_place(float *restrict v, int64_t n) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(v + i);
-        const __m256 e = exp_ps256(_mm256_or_ps(x, sign));            /* -|x| */
+        const __m256 neg_abs = _mm256_or_ps(x, sign);
+        const __m256 underflow = _mm256_cmp_ps(neg_abs, _mm256_set1_ps(EXP_LOWEST), _CMP_LT_OQ);
+        const __m256 e = _mm256_andnot_ps(underflow, exp_ps256(neg_abs));
         const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
         const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
         _mm256_storeu_ps(v + i, _mm256_div_ps(numerator, _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
@@ -187,20 +194,20 @@ static void silu_and_mul_row_bf16(bf16_t *restrict gate, int64_t inter) {
  * thread outside any parallel region (an `if (0)` region still has libgomp start a team of one,
  * between the matmuls' teams of every thread). */
 #define SILU_PARALLEL_ELEMENTS (1 << 16)
-void silu_and_mul_f32(float *restrict x, int64_t rows, int64_t inter, int64_t ld) {
-    if (rows * inter < SILU_PARALLEL_ELEMENTS) {
+void silu_and_mul_f32(float *restrict x, int64_t rows, int64_t inter, int64_t ld, int num_threads) {
+    if (rows * inter < SILU_PARALLEL_ELEMENTS || num_threads <= 1) {
         for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_f32(x + r * ld, inter);
         return;
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_f32(x + r * ld, inter);
 }
 
-void silu_and_mul_bf16(bf16_t *restrict x, int64_t rows, int64_t inter, int64_t ld) {
-    if (rows * inter < SILU_PARALLEL_ELEMENTS) {
+void silu_and_mul_bf16(bf16_t *restrict x, int64_t rows, int64_t inter, int64_t ld, int num_threads) {
+    if (rows * inter < SILU_PARALLEL_ELEMENTS || num_threads <= 1) {
         for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_bf16(x + r * ld, inter);
         return;
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_bf16(x + r * ld, inter);
 }

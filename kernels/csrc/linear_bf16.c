@@ -269,14 +269,15 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
  * columns][2] bfloat16, are 16 contiguous rows of 64 bytes, which is the B operand TDPBF16PS
  * reads. An A tile is 16 rows of x by 32 k (64 bytes a row at x's row stride); a C tile is 16 x 16
  * float32. Tiles 0-3 hold C (up to AMX_PANELS panels), 4 holds A, 5 and 6 take B in turn.
- * Rows go in blocks of 16: when m is not a multiple of 16, x is copied into a zeroed block first.
- * k must be a multiple of 32 (every hidden size in use is); otherwise, and below AMX_MIN_ROWS,
- * the version above runs. With one block of rows (a decode step) a group is one panel, so the
+ * Rows go in blocks of 16, read in place; a last partial block is copied into a zeroed one.
+ * k must be a multiple of 32 (every hidden size in use is); otherwise, below AMX_MIN_ROWS, and
+ * until the engine turns it on (linear_bf16_use_amx: with cpu_linear=native), the version above
+ * runs. With one block of rows (a decode step) a group is one panel, so the
  * weight's one pass is split evenly between the threads; with more, a group of 2-4 panels shares
  * each A tile load and later blocks read its panels from cache.
  * Tile registers are per thread (each OpenMP thread loads the configuration, then releases it),
  * and Linux lets a process use them only once asked (arch_prctl ARCH_REQ_XCOMP_PERM): refused,
- * the version above runs.
+ * linear_bf16_use_amx says so and the version above runs.
  * LINEAR_BF16_EMULATE_AMX (tests) builds this same code over tiles in plain C, on any CPU with
  * the AVX2 version: the blocking, padding, grouping and epilogue are then checked everywhere, and
  * only the four tile instructions and the configuration differ on the hardware. */
@@ -296,10 +297,13 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 2       /* one row streams the weight at the memory's pace without tiles */
 #endif
-#define AMX_PREFETCH_TILES 4 /* B tiles prefetched ahead in a panel, on the first block of rows */
+#ifndef AMX_PREFETCH_TILES
+#define AMX_PREFETCH_TILES 4 /* B tiles prefetched ahead in a panel, on the first block of rows (0: none) */
+#endif
 
 #if AMX_PATH == 4
-/* Plain C tiles with TDPBF16PS's arithmetic: C[m][n] += A[m][2i] B[i][2n] + A[m][2i+1] B[i][2n+1]. */
+/* Plain C tiles with TDPBF16PS's arithmetic: C[m][n] += A[m][2i] B[i][2n], then += A[m][2i+1]
+ * B[i][2n+1] (the hardware also flushes denormals, which this does not). */
 static __thread uint8_t emulated_tiles[8][AMX_ROWS * 64];
 static void emulated_load(int t, const void *base, int64_t stride) {
     for (int r = 0; r < AMX_ROWS; ++r) memcpy(emulated_tiles[t] + r * 64, (const uint8_t *)base + r * stride, 64);
@@ -307,7 +311,11 @@ static void emulated_load(int t, const void *base, int64_t stride) {
 static void emulated_store(int t, void *base, int64_t stride) {
     for (int r = 0; r < AMX_ROWS; ++r) memcpy((uint8_t *)base + r * stride, emulated_tiles[t] + r * 64, 64);
 }
+static int64_t emulated_tile_products;   /* TDPBF16PS emulated so far (tests: did the tiles run?) */
+int64_t linear_bf16_emulated_tile_products(void) { return emulated_tile_products; }
 static void emulated_dp(int c, int a, int b) {
+#pragma omp atomic
+    ++emulated_tile_products;
     float acc[AMX_ROWS][16];
     uint16_t lhs[AMX_ROWS][32], rhs[16][32];
     memcpy(acc, emulated_tiles[c], sizeof acc);
@@ -315,9 +323,10 @@ static void emulated_dp(int c, int a, int b) {
     memcpy(rhs, emulated_tiles[b], sizeof rhs);
     for (int r = 0; r < AMX_ROWS; ++r)
         for (int col = 0; col < 16; ++col)
-            for (int i = 0; i < 16; ++i)
-                acc[r][col] += bf16_to_f32(lhs[r][2 * i]) * bf16_to_f32(rhs[i][2 * col]) +
-                               bf16_to_f32(lhs[r][2 * i + 1]) * bf16_to_f32(rhs[i][2 * col + 1]);
+            for (int i = 0; i < 16; ++i) {   /* one product at a time, as Intel's pseudocode adds them */
+                acc[r][col] += bf16_to_f32(lhs[r][2 * i]) * bf16_to_f32(rhs[i][2 * col]);
+                acc[r][col] += bf16_to_f32(lhs[r][2 * i + 1]) * bf16_to_f32(rhs[i][2 * col + 1]);
+            }
     memcpy(emulated_tiles[c], acc, sizeof acc);
 }
 #define TILE_LOAD(t, base, stride) emulated_load(t, base, stride)
@@ -332,8 +341,10 @@ static void amx_release(void) {}
 #include <sys/syscall.h>
 #include <unistd.h>
 /* The tile number is an immediate: these take literal 0-6 only. */
+/* gcc's tile intrinsics are asm statements that declare no memory operands: a compiler barrier
+ * after the stores keeps the epilogue's reads of `out` after them. */
 #define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_STORE(t, base, stride) do { _tile_stored(t, base, stride); __asm__ volatile("" ::: "memory"); } while (0)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #define PREFETCH_TILE(at) do { for (int line = 0; line < 16; ++line) \
@@ -342,6 +353,7 @@ static void amx_release(void) {}
 #define XFEATURE_XTILEDATA 18
 static int amx_granted(void) {
     static int state;    /* 0: not asked yet, 1: granted, -1: refused (asking again is harmless) */
+    /* (an ordinary int: a race would only ask twice) */
     if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
 }
@@ -358,6 +370,7 @@ static void amx_configure(void) {
         config.colsb[t] = 64;
         config.rows[t] = AMX_ROWS;
     }
+    __asm__ volatile("" ::: "memory");   /* every byte of the configuration written first */
     _tile_loadconfig(&config);
 }
 static void amx_release(void) { _tile_release(); }
@@ -377,7 +390,7 @@ static inline __attribute__((always_inline)) void amx_block(const int np, const 
         TILE_LOAD(4, x + c * AMX_K, ldx * 2);
 #define PANEL(P, B) if (np > P) { \
             const uint16_t *at = panel + P * panel_stride + c * AMX_TILE_ELEMS; \
-            if (prefetch) PREFETCH_TILE(at + AMX_PREFETCH_TILES * AMX_TILE_ELEMS); \
+            if (prefetch && AMX_PREFETCH_TILES > 0) PREFETCH_TILE(at + AMX_PREFETCH_TILES * AMX_TILE_ELEMS); \
             TILE_LOAD(B, at, 64); \
             TILE_DP(P, 4, B); \
         }
@@ -405,21 +418,22 @@ static int64_t amx_group(const int64_t panels, const int64_t blocks, const int t
     return 1;
 }
 
-/* 0 done, -1 no memory, -2 not for this call (the version above runs). */
+/* Off until the engine asks (linear_bf16_use_amx): the tiles run where cpu_linear chose our
+ * kernel, not for the LM head of a model whose projections go to oneDNN. */
+static int amx_enabled;
+
+/* 0 done, -2 not for this call (the version above runs). */
 static int linear_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
-    if (m < AMX_MIN_ROWS || k % AMX_K != 0 || !amx_granted()) return -2;
+    if (!amx_enabled || m < AMX_MIN_ROWS || k % AMX_K != 0) return -2;
     const int64_t panels = (n + NR - 1) / NR, panel_stride = k * NR, chunks = k / AMX_K;
-    const int64_t blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
-    const uint16_t *rows = x;
-    int64_t ld = ldx;
-    uint16_t *copy = NULL;
-    if (m % AMX_ROWS != 0) {    /* a tile reads 16 rows: the last block's missing ones are zeros */
-        copy = calloc((size_t)(blocks * AMX_ROWS * k), sizeof *copy);
-        if (copy == NULL) return -1;
-        for (int64_t r = 0; r < m; ++r) memcpy(copy + r * k, x + r * ldx, (size_t)k * sizeof *copy);
-        rows = copy;
-        ld = k;
+    const int64_t blocks = (m + AMX_ROWS - 1) / AMX_ROWS, full_blocks = m / AMX_ROWS;
+    uint16_t *tail = NULL;      /* a tile reads 16 rows: the last block's missing ones are zeros */
+    if (full_blocks < blocks) {
+        tail = calloc((size_t)(AMX_ROWS * k), sizeof *tail);
+        if (tail == NULL) return -2;
+        for (int64_t r = full_blocks * AMX_ROWS; r < m; ++r)
+            memcpy(tail + (r - full_blocks * AMX_ROWS) * k, x + r * ldx, (size_t)k * sizeof *tail);
     }
     const int threads = num_threads > 0 ? num_threads : 1;
     const int64_t group = amx_group(panels, blocks, threads), groups = (panels + group - 1) / group;
@@ -433,8 +447,9 @@ static int linear_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
             const int np = panels - p0 < group ? (int)(panels - p0) : (int)group;
             const int64_t ncols = n - column < np * NR ? n - column : np * NR;
             for (int64_t b = 0; b < blocks; ++b) {
-                amx_block(np, chunks, rows + b * AMX_ROWS * ld, ld, packed + p0 * panel_stride, panel_stride, out,
-                          b == 0);
+                const uint16_t *block_rows = b < full_blocks ? x + b * AMX_ROWS * ldx : tail;
+                amx_block(np, chunks, block_rows, b < full_blocks ? ldx : k, packed + p0 * panel_stride,
+                          panel_stride, out, b == 0);
                 const int64_t r0 = b * AMX_ROWS, mr = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
                 for (int64_t r = 0; r < mr; ++r)
                     for (int64_t c = 0; c < ncols; ++c) {
@@ -446,7 +461,7 @@ static int linear_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
         }
         amx_release();
     }
-    free(copy);
+    free(tail);
     return 0;
 }
 #endif
@@ -458,6 +473,18 @@ int linear_bf16_isa(void) {
     return AMX_PATH;
 #else
     return LINEAR_BF16_BASE_ISA;
+#endif
+}
+
+/* Turn the AMX version on (on != 0) or off for this process; returns whether it now runs (0 where
+ * it is not built, or where the kernel refused the process AMX state). */
+int linear_bf16_use_amx(int on) {
+#ifdef AMX_PATH
+    amx_enabled = on && amx_granted();
+    return amx_enabled;
+#else
+    (void)on;
+    return 0;
 #endif
 }
 
