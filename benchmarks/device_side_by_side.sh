@@ -8,11 +8,13 @@
 #   run(command="benchmarks/device_side_by_side.sh stash", carry=[".pk1"])       # at once, then
 #   run(command="benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel"], timeout_s=600)
 #
-# .devmodel/ holds the model folder's config.json, tokenizer files and no weights (both servers
-# load random weights, --load-format dummy: the checkpoint does not fit a call). `run` checks our
-# bfloat16 kernels on that CPU first (tests/test_linear_bf16.py: the AMX version runs there),
-# times the linear paths, then serves RUNS (default below) with benchmarks.serving, workloads A
-# and B. Everything lands in $OUT: summary.txt and results.tar.gz (JSON, logs).
+# (a stash call per piece but the last). .devmodel/ holds the model folder's config.json and
+# tokenizer, no weights: both servers load random ones (--load-format dummy; the checkpoint does
+# not fit a call). `run` does STAGES (default "tests linear serve", ~8 minutes): our bfloat16
+# kernels' tests on that CPU (the AMX version runs there), the linear paths timed, then RUNS
+# served with benchmarks.serving, workloads A and B. RUNS items: `ours` plus engine parameters
+# joined by "+" (ours+cpu_linear=native), or vllm-DTYPE. Results: $OUT/summary.txt and
+# $OUT/results.tar.gz (JSON, logs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,8 +27,10 @@ ls -l /tmp/pack
 OUT=${OUT:-/tmp/out}; WORK=$OUT/work; mkdir -p "$WORK"
 SUMMARY=$OUT/summary.txt
 log() { echo "$*" | tee -a "$SUMMARY"; }
-if [ ! -d /tmp/vsite ]; then
-    (cd /tmp && cat pack/part* | xz -d -T0 | tar -xi) || { log "unpacking failed"; exit 1; }
+if [ ! -e /tmp/pack.unpacked ]; then      # unpacked whole, or not at all
+    rm -rf /tmp/unpack && mkdir /tmp/unpack
+    (cd /tmp/unpack && cat /tmp/pack/part* | xz -d -T0 | tar -x) || { log "unpacking failed: pieces missing?"; exit 1; }
+    rm -rf /tmp/vsite /tmp/osite && mv /tmp/unpack/vsite /tmp/unpack/osite /tmp/ && touch /tmp/pack.unpacked
 fi
 IMAGE_SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 # Our server runs from a virtual environment: Triton's Python stub ignores PYTHONPATH and finds
@@ -45,45 +49,70 @@ mkdir -p models && rm -rf models/smollm2-135m-instruct && cp -r .devmodel models
 
 export CUDA_VISIBLE_DEVICES=    # the CPU side by side: nothing may land on the GPU
 PIN=0-1
-log "== bfloat16 kernel tests on this CPU"
-OMP_NUM_THREADS=2 timeout 240 $OURS -m pytest -q -p no:cacheprovider -rs tests/test_linear_bf16.py > "$WORK/tests.log" 2>&1
-log "tests rc=$?: $(tail -1 "$WORK/tests.log")"
-grep -E "^FAILED" "$WORK/tests.log" | head -10 | tee -a "$SUMMARY"
-log "== linear paths, the model's 121 matmuls"
-OMP_NUM_THREADS=2 timeout 200 taskset -c $PIN $OURS -m benchmarks.cpu_linear --dtype bfloat16 --rows ${ROWS:-1,2,4,16,64,512} \
-    --rounds 3 --paths native,native-noamx,onednn 2>&1 | tee -a "$SUMMARY" | tail -12
+STAGES=${STAGES:-tests linear serve}
+if [[ " $STAGES " == *" tests "* ]]; then
+    log "== bfloat16 kernel tests on this CPU"
+    OMP_NUM_THREADS=2 timeout 150 $OURS -m pytest -q -p no:cacheprovider -rs tests/test_linear_bf16.py > "$WORK/tests.log" 2>&1
+    log "tests rc=$?: $(tail -1 "$WORK/tests.log")"
+    grep -E "^FAILED|NOT RUN" "$WORK/tests.log" | sort | uniq -c | head -10 | tee -a "$SUMMARY"
+fi
+if [[ " $STAGES " == *" linear "* ]]; then
+    log "== linear paths, the model's 121 matmuls"
+    OMP_NUM_THREADS=2 timeout 120 taskset -c $PIN $OURS -m benchmarks.cpu_linear --dtype bfloat16 \
+        --rows "${ROWS:-1,2,4,16,64,512}" --rounds 3 --paths native,native-noamx,onednn 2>&1 | tee -a "$SUMMARY" | tail -9
+fi
 
-pin() {  # every thread of every process matching $1 onto $PIN; threads bound to one CPU (vLLM's OpenMP ones) stay
-    for p in $(pgrep -f "$1"); do for t in /proc/$p/task/*; do
+tree() { echo "$1"; for child in $(pgrep -P "$1"); do tree "$child"; done; }   # $1 and its descendants
+pin() {  # every thread of process $1 and its descendants (our launcher starts tritonserver in a
+         # session of its own) onto $PIN; threads bound to one CPU (vLLM's OpenMP ones) stay
+    for p in $(tree "$1"); do for t in /proc/$p/task/*; do
         tid=${t##*/}; a=$(taskset -p -c "$tid" 2>/dev/null | sed 's/.*: //')
         case "$a" in 0|1) ;; *) taskset -p -c $PIN "$tid" >/dev/null 2>&1 ;; esac
     done; done; }
 ready() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; sleep 1; done; return 1; }
-bench() { taskset -c $PIN $OURS -m benchmarks.serving --server "$1" --workloads A,B --json "$WORK/$2.json" > "$WORK/$2.txt" 2>&1
+stop() {  # process $1 (Ctrl-C: our launcher drains and stops its server), then its whole tree;
+          # then wait until port $2 refuses connections
+    local procs; procs=$(tree "$1")
+    kill -INT "$1" 2>/dev/null
+    for _ in $(seq 1 20); do curl -s -o /dev/null "http://127.0.0.1:$2/" || break; sleep 1; done
+    kill -9 $procs 2>/dev/null
+    for _ in $(seq 1 10); do curl -s -o /dev/null "http://127.0.0.1:$2/" || return 0; sleep 1; done
+    log "port $2 still answers"; }
+bench() { timeout 200 taskset -c $PIN $OURS -m benchmarks.serving --server "$1" --workloads A,B --json "$WORK/$2.json" \
+              > "$WORK/$2.txt" 2>&1
           log "$2 rc=$?"; grep -E "^\| (ours|vllm)|failure" "$WORK/$2.txt" | tee -a "$SUMMARY"; }
-# RUNS: ours[-PARAM=VALUE...] (engine parameters, e.g. ours-cpu_linear=native), vllm-DTYPE.
-for run in ${RUNS:-ours-cpu_linear=native ours vllm-bfloat16}; do
-    start=$SECONDS
-    case $run in
-    ours*)
-        params=(--param load_format=dummy --param cpu_threads=2 --param device=cpu)
-        IFS=- read -ra extra <<< "${run#ours}"
-        for p in "${extra[@]}"; do [ -n "$p" ] && params+=(--param "$p"); done
-        OMP_NUM_THREADS=2 setsid $OURS -m server.launch "${params[@]}" > "$WORK/server_$run.log" 2>&1 &
-        ready http://127.0.0.1:8000/v2/models/llm/ready 240 || { log "$run: not ready"; tail -20 "$WORK/server_$run.log"; pkill -f server.launch; continue; }
-        pin tritonserver; pin triton_python_backend_stub; pin server.launch
-        log "$run ready in $((SECONDS - start)) s; $(grep -m1 -E 'linear' "$WORK/server_$run.log")"
-        bench ours=triton@127.0.0.1:8000 "$run"
-        pkill -INT -f server.launch; sleep 4; pkill -9 -f tritonserver; pkill -9 -f server.launch ;;
-    vllm*)
-        (cd /tmp && VLLM_CPU_OMP_THREADS_BIND=$PIN VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite setsid python3 -m \
-            vllm.entrypoints.openai.api_server --model "$REPO/models/smollm2-135m-instruct" --load-format dummy \
-            --dtype "${run#vllm-}" --host 127.0.0.1 --port 8100 > "$WORK/server_$run.log" 2>&1 &)
-        ready http://127.0.0.1:8100/health 300 || { log "$run: not ready"; tail -20 "$WORK/server_$run.log"; pkill -9 -f vllm; continue; }
-        pin vllm; pin VLLM; pin EngineCore
-        log "$run ready in $((SECONDS - start)) s"
-        bench vllm=openai@127.0.0.1:8100 "$run"
-        pkill -INT -f vllm.entrypoints; sleep 3; pkill -9 -f vllm; pkill -9 -f EngineCore ;;
-    esac
-done
+if [[ " $STAGES " == *" serve "* ]]; then
+    for run in ${RUNS:-ours+cpu_linear=native ours vllm-bfloat16}; do
+        start=$SECONDS
+        case $run in
+        ours*)
+            params=(--param load_format=dummy --param cpu_threads=2 --param device=cpu)
+            IFS=+ read -ra extra <<< "${run#ours}"
+            for p in "${extra[@]}"; do [ -n "$p" ] && params+=(--param "$p"); done
+            OMP_NUM_THREADS=2 setsid $OURS -m server.launch "${params[@]}" > "$WORK/server_$run.log" 2>&1 &
+            pid=$!
+            if ! ready http://127.0.0.1:8000/v2/models/llm/ready 120; then
+                log "$run: not ready"; tail -20 "$WORK/server_$run.log"; stop $pid 8000; continue
+            fi
+            pin $pid
+            log "$run ready in $((SECONDS - start)) s; $(grep -m1 -E 'linear layers' "$WORK/server_$run.log")"
+            bench ours=triton@127.0.0.1:8000 "$run"
+            stop $pid 8000 ;;
+        vllm*)
+            cd /tmp
+            VLLM_CPU_OMP_THREADS_BIND=$PIN VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite setsid python3 -m \
+                vllm.entrypoints.openai.api_server --model "$REPO/models/smollm2-135m-instruct" --load-format dummy \
+                --dtype "${run#vllm-}" --host 127.0.0.1 --port 8100 > "$WORK/server_$run.log" 2>&1 &
+            pid=$!
+            cd "$REPO"
+            if ! ready http://127.0.0.1:8100/health 200; then
+                log "$run: not ready"; tail -20 "$WORK/server_$run.log"; stop $pid 8100; continue
+            fi
+            pin $pid
+            log "$run ready in $((SECONDS - start)) s"
+            bench vllm=openai@127.0.0.1:8100 "$run"
+            stop $pid 8100 ;;
+        esac
+    done
+fi
 tar -czf "$OUT/results.tar.gz" -C "$WORK" .
