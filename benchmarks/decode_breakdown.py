@@ -79,6 +79,16 @@ def start_decodes(engine: Engine, contexts: list[int], rng: random.Random) -> No
     engine.step()
 
 
+def decoding_engine(model: str, dtype: str, contexts: list[int], load_format: str) -> Engine:
+    """An engine decoding len(contexts) greedy sequences, each past a random prompt of that many
+    tokens. A fixed token budget (itl_target_ms=0): only decode steps are measured, so the
+    start-up calibration that sizes prefill chunks would be time spent for nothing."""
+    engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=len(contexts), num_kv_blocks=2048,
+                                 enable_prefix_caching=False, itl_target_ms=0.0, load_format=load_format))
+    start_decodes(engine, contexts, random.Random(0))
+    return engine
+
+
 def measure_round(engine: Engine, steps: int) -> dict[str, float]:
     """Mean ms per decode step, total and per family, over ``steps`` steps."""
     _totals.clear()
@@ -117,11 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     instrument()
     engines = {}
     for dtype in dtypes:
-        # A fixed token budget (itl_target_ms=0): only decode steps are measured, so the start-up
-        # calibration that sizes prefill chunks would be time spent for nothing.
-        engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=args.batch, num_kv_blocks=2048,
-                                     enable_prefix_caching=False, itl_target_ms=0.0, load_format=args.load_format))
-        start_decodes(engine, contexts, random.Random(0))
+        engine = decoding_engine(args.model, dtype, contexts, args.load_format)
         measure_round(engine, 2)    # warm-up
         engines[dtype] = engine
     rounds: dict[str, list[dict[str, float]]] = {dtype: [] for dtype in dtypes}

@@ -16,10 +16,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from backend import Engine, EngineConfig
+from backend import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from benchmarks.common import best_of
-from benchmarks.decode_breakdown import start_decodes
+from benchmarks.decode_breakdown import decoding_engine
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
 
@@ -43,10 +43,8 @@ def op_alone(inter: int, layers: int, rows: int, dtype: torch.dtype, rounds: int
 
 def decode_steps(model: str, dtype: str, batch: int, rounds: int, steps: int) -> dict[str, float]:
     """Median ms a decode step, the MLPs' activation by torch ops or fused, alternating rounds."""
-    engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=batch, num_kv_blocks=2048,
-                                 load_format="dummy", enable_prefix_caching=False, itl_target_ms=0.0))
     rng = random.Random(0)
-    start_decodes(engine, [rng.randint(64, 192) for _ in range(batch)], rng)
+    engine = decoding_engine(model, dtype, [rng.randint(64, 192) for _ in range(batch)], "dummy")
     mlps = [layer.mlp for layer in engine.runner.model.model.layers]
     fused_ops = mlps[0].layer_ops
     assert fused_ops is cpu_native, "the engine runs without the C layer ops here"

@@ -182,8 +182,9 @@ LINEAR_BF16_VERSIONS = {4: "amx-emulated", 3: "amx-bf16", 2: "avx512-bf16", 1: "
 
 def linear_bf16_version(library: ctypes.CDLL | None = None) -> str | None:
     """Which bfloat16 linear kernels a build has: ``amx-bf16`` (AMX tiles from 2 rows once
-    ``use_amx``, the AVX512_BF16 dot products otherwise), ``avx512-bf16`` (dot products), ``avx2`` (bfloat16 widened
-    to float32 in registers, for CPUs without bfloat16 arithmetic) or None."""
+    ``use_amx``, the AVX512_BF16 dot products otherwise), ``avx512-bf16`` (dot products),
+    ``avx2`` (bfloat16 widened to float32 in registers, for CPUs without bfloat16 arithmetic) or
+    None."""
     library = load() if library is None else library
     return None if library is None else LINEAR_BF16_VERSIONS.get(library.linear_bf16_isa())
 

@@ -1,7 +1,7 @@
 """The fused layer ops against the torch code they replace: ``RMSNorm`` after a residual add,
 ``apply_rope`` + ``reshape_and_cache_reference`` (backend/model/llama.py,
-kernels/reference.py) and the MLP's ``F.silu(gate, inplace=True).mul_(up)``, then a whole model's logits with and without them. Both
-implementations behind the one seam: C (kernels/csrc/layer_ops.c, the CPU path) and Triton
+kernels/reference.py) and the MLP's ``F.silu(gate, inplace=True).mul_(up)``, then a whole
+model's logits with and without them. Both implementations behind the one seam: C (kernels/csrc/layer_ops.c, the CPU path) and Triton
 (kernels/triton_layer_ops.py, the GPU path; here in Triton's interpreter, which conftest
 turns on where there is no GPU)."""
 
@@ -256,6 +256,11 @@ def rope_gives_the_torch_bits(ops, dtype: torch.dtype, num_heads: int, num_kv_he
     assert torch.equal(key_cache[written], ref_key[written]) and torch.equal(value_cache[written], ref_value[written])
 
 
+# SiLU's edges, planted at the start of row 0: zeros, a saturated sigmoid, exp's underflow
+# (-0.0 out), infinities (-inf: NaN).
+SILU_EDGES = torch.tensor([0.0, -0.0, 30.0, -30.0, -87.0, -88.0, -100.0, -1e30, float("inf"), float("-inf")])
+
+
 def silu_and_mul_case(ops, rows: int, inter: int, dtype: torch.dtype, row_padding: int,
                       seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A [gate | up] projection output (rows padded with NaN past 2 * inter) through the fused op
@@ -265,9 +270,7 @@ def silu_and_mul_case(ops, rows: int, inter: int, dtype: torch.dtype, row_paddin
     storage = torch.full((rows, 2 * inter + row_padding), float("nan"), dtype=dtype)
     gate_up = storage[:, :2 * inter]
     gate_up.copy_(torch.randn(rows, 2 * inter, generator=gen) * 3)
-    # SiLU's edges: zeros, a saturated sigmoid, exp's underflow (-0.0 out), infinities (-inf: NaN).
-    edges = torch.tensor([0.0, -0.0, 30.0, -30.0, -87.0, -88.0, -100.0, -1e30, float("inf"), float("-inf")])
-    gate_up[0, :min(inter, len(edges))] = edges[:inter]
+    gate_up[0, :min(inter, len(SILU_EDGES))] = SILU_EDGES[:inter]
     up_before = gate_up[:, inter:].clone()
     expected = F.silu(gate_up[:, :inter].clone(), inplace=True).mul_(up_before)
     ops.silu_and_mul(gate_up, inter)
@@ -301,6 +304,6 @@ def test_silu_and_mul_bf16_rounds_like_the_torch_ops(ops, rows: int, inter: int)
     number = ~expected.isnan()
     assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.signbit()[number], expected.signbit()[number])
     ordinary = finite.clone()
-    ordinary[0, :10] = False                 # the edge values silu_and_mul_case planted
+    ordinary[0, :len(SILU_EDGES)] = False
     assert (got.view(torch.int16) == expected.view(torch.int16))[ordinary].float().mean() >= 0.999
     assert torch.equal(up_after, up_before)

@@ -71,8 +71,7 @@ def within_one_rounding(got: torch.Tensor, exact: torch.Tensor, in_features: int
 def test_amx_stays_off_until_asked() -> None:
     """The AMX version is opt-in (the engine turns it on with cpu_linear=native): a fresh build
     runs the dot products until asked, and can be turned off again."""
-    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + ("-mno-avx512f",
-                                                                                      "-DLINEAR_BF16_EMULATE_AMX")))
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + KERNEL_VERSIONS["amx-emulated"][0]))
     gen = torch.Generator().manual_seed(11)
     weight, x = torch.randn(64, 64, generator=gen).bfloat16(), torch.randn(5, 64, generator=gen).bfloat16()
     exact = F.linear(x.float(), weight.float())

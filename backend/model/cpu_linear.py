@@ -64,8 +64,9 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     | other    | any                      | torch  | F.linear                                              |
 
     ``native`` is our C kernel: float32 (AVX2 + FMA) or bfloat16 (AMX tiles from 2 rows where
-    the CPU has them, AVX512_BF16 dot products, else AVX2 + FMA). On a CPU with bfloat16 arithmetic only the AVX512_BF16 build of the bfloat16 kernel
-    is ``native`` (a compiler that cannot target it leaves oneDNN). An explicit choice that
+    the CPU has them, AVX512_BF16 dot products, else AVX2 + FMA). On a CPU with bfloat16
+    arithmetic only the AVX512_BF16 build of the bfloat16 kernel is ``native`` (a compiler that
+    cannot target it leaves oneDNN). An explicit choice that
     cannot run here is an error at start-up. ``features`` defaults to this machine's (tests
     pass others)."""
     if choice not in CPU_LINEAR_CHOICES:

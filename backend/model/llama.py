@@ -240,9 +240,9 @@ class CausalLM(nn.Module):
 
     def use_fused_layer_ops(self, enabled: bool) -> str | None:
         """Fuse RMSNorm with the residual add, RoPE with the K/V cache write and the MLP's SiLU
-        with its product where they apply (no q/k norm): in C (kernels/csrc/layer_ops.c) with the ``cpu`` attention backend, in
-        float32 or bfloat16, the C library built; in Triton (kernels/triton_layer_ops.py) with the
-        ``triton`` one. Returns which (``"c"``, ``"triton"``) or None: the torch ops above run,
+        with its product where they apply (no q/k norm): in C (kernels/csrc/layer_ops.c) with the
+        ``cpu`` attention backend, in float32 or bfloat16, the C library built; in Triton
+        (kernels/triton_layer_ops.py) with the ``triton`` one. Returns which (``"c"``, ``"triton"``) or None: the torch ops above run,
         the reference of both."""
         dtype = self.model.embed_tokens.weight.dtype
         ops = None

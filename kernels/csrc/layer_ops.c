@@ -192,22 +192,16 @@ static void silu_and_mul_row_bf16(bf16_t *restrict gate, int64_t inter) {
 
 /* A prefill's rows are shared out to torch's OpenMP threads. A decode step's few stay on this
  * thread outside any parallel region (an `if (0)` region still has libgomp start a team of one,
- * between the matmuls' teams of every thread). */
+ * between the matmuls' teams of every thread). One definition for both dtypes: */
 #define SILU_PARALLEL_ELEMENTS (1 << 16)
-void silu_and_mul_f32(float *restrict x, int64_t rows, int64_t inter, int64_t ld, int num_threads) {
-    if (rows * inter < SILU_PARALLEL_ELEMENTS || num_threads <= 1) {
-        for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_f32(x + r * ld, inter);
-        return;
+#define DEFINE_SILU_AND_MUL(SUFFIX, T)                                                                   \
+    void silu_and_mul_##SUFFIX(T *restrict x, int64_t rows, int64_t inter, int64_t ld, int num_threads) { \
+        if (rows * inter < SILU_PARALLEL_ELEMENTS || num_threads <= 1) {                                 \
+            for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_##SUFFIX(x + r * ld, inter);             \
+            return;                                                                                      \
+        }                                                                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_##SUFFIX(x + r * ld, inter);                 \
     }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_f32(x + r * ld, inter);
-}
-
-void silu_and_mul_bf16(bf16_t *restrict x, int64_t rows, int64_t inter, int64_t ld, int num_threads) {
-    if (rows * inter < SILU_PARALLEL_ELEMENTS || num_threads <= 1) {
-        for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_bf16(x + r * ld, inter);
-        return;
-    }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < rows; ++r) silu_and_mul_row_bf16(x + r * ld, inter);
-}
+DEFINE_SILU_AND_MUL(f32, float)
+DEFINE_SILU_AND_MUL(bf16, bf16_t)
