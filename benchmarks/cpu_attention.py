@@ -3,7 +3,9 @@
 The engine's build of kernels/csrc/paged_attention.c picks, at compile time, the fastest
 decode and prefill functions the CPU has (``cpu_native.attention_path``: the AVX2 ones on
 every CPU with AVX2 + FMA, the AVX512_BF16 dot-product ones for bfloat16 where the CPU has it). A
-second build with ``-DLLM_GENERIC_ATTENTION`` keeps only the generic functions. ``--cflags``
+second build with ``-DLLM_GENERIC_ATTENTION`` keeps only the generic functions; with
+``--against REV`` the second build is instead the kernels of git revision REV (before / after
+a change to them, in one process). ``--cflags``
 adds flags to both builds (``--cflags=-mno-avx512bf16``: what an AVX-512 CPU without bfloat16
 dot products runs). Both run the same data, alternating round by round (the
 machines are shared; the best round counts), and their outputs are compared.
@@ -16,11 +18,15 @@ machines are shared; the best round counts), and their outputs are compared.
 
     python -m benchmarks.cpu_attention                      # SmolLM2-135M's shape (9 heads, 3 KV heads, 64)
     python -m benchmarks.cpu_attention --block-order consecutive   # a fresh server's cache layout
+    python -m benchmarks.cpu_attention --context 128 --against HEAD~1  # this tree's kernels against a commit's
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -28,6 +34,23 @@ import torch
 from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
+
+def build_revision(revision: str, cflags: tuple[str, ...]) -> Path:
+    """The kernel library as git revision ``revision`` had it (its kernels/csrc, this tree's
+    flags), built in a temporary folder. Revisions whose library lacks a function
+    ``cpu_native.open_library`` declares cannot be loaded."""
+    repo = Path(__file__).resolve().parent.parent
+    folder = Path(tempfile.mkdtemp(prefix="kernels-"))
+    names = [*(source.name for source in cpu_native.SOURCES), *(header.name for header in cpu_native.HEADERS)]
+    for name in names:
+        text = subprocess.run(["git", "show", f"{revision}:kernels/csrc/{name}"], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout
+        (folder / name).write_text(text)
+    target = folder / "cpu_kernels.so"
+    sources = [str(folder / source.name) for source in cpu_native.SOURCES]
+    subprocess.run(["gcc", *cflags, "-o", str(target), *sources, "-lm"], check=True, capture_output=True, text=True)
+    return target
+
 
 def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                 generator: torch.Generator, shuffled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,16 +84,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-order", choices=("shuffled", "consecutive"), default="shuffled")
     parser.add_argument("--cflags", default="", help="more compiler flags for both builds, e.g. -mno-avx512bf16 "
                                                      "for what an AVX-512 CPU without bfloat16 dot products runs")
+    parser.add_argument("--against", metavar="REV", help="compare with the kernels of this git revision "
+                                                         "instead of the generic build")
     args = parser.parse_args(argv)
     extra = tuple(args.cflags.split())
-    builds = {"engine": cpu_native.CFLAGS + extra, "generic": cpu_native.CFLAGS + extra + ("-DLLM_GENERIC_ATTENTION",)}
-    libraries = {name: cpu_native.open_library(cpu_native.build(cflags=cflags)) for name, cflags in builds.items()}
+    libraries = {"engine": cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra))}
+    if args.against:
+        other = args.against
+        libraries[other] = cpu_native.open_library(build_revision(args.against, cpu_native.CFLAGS + extra))
+    else:
+        other = "generic"
+        libraries[other] = cpu_native.open_library(
+            cpu_native.build(cflags=cpu_native.CFLAGS + extra + ("-DLLM_GENERIC_ATTENTION",)))
     generator = torch.Generator().manual_seed(0)
     scale = args.head_dim ** -0.5
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, build flags {' '.join(extra) or 'default'}; "
           f"heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.head_dim}, block {args.block_size}, decode blocks {args.block_order}")
-    print("| dtype | work | engine build's function | engine ms | generic ms | engine | generic | speed-up | max diff |")
+    print(f"| dtype | work | engine build's function | engine ms | {other} ms | engine | {other} | speed-up | max diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         # decode: one query row per sequence, contexts spread +-32 around --context
@@ -89,12 +120,12 @@ def main(argv: list[str] | None = None) -> None:
             return run
         best = best_of(args.rounds, {name: decode(name) for name in libraries})
         kv_bytes = sum(lens) * 2 * args.kv_heads * args.head_dim * query.element_size() * args.layers
-        diff = (outs["engine"].float() - outs["generic"].float()).abs().max().item()
+        diff = (outs["engine"].float() - outs[other].float()).abs().max().item()
         path = cpu_native.attention_path(dtype, args.head_dim, libraries["engine"])
         print(f"| {dtype} | decode {args.seqs} x ~{args.context}, {args.layers} layers | {path} | "
-              f"{best['engine'] * 1e3:.2f} | {best['generic'] * 1e3:.2f} | "
-              f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best['generic'] / 1e9:.1f} GB/s | "
-              f"{best['generic'] / best['engine']:.2f}x | {diff:.1e} |")
+              f"{best['engine'] * 1e3:.2f} | {best[other] * 1e3:.2f} | "
+              f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best[other] / 1e9:.1f} GB/s | "
+              f"{best[other] / best['engine']:.2f}x | {diff:.1e} |")
 
         # prefill: one fresh prompt
         key_cache, value_cache, tables = paged_cache([args.prompt], args.kv_heads, args.head_dim, args.block_size,
@@ -108,10 +139,10 @@ def main(argv: list[str] | None = None) -> None:
                                                               key_cache, value_cache, scale, library=libraries[name])
         best = best_of(args.rounds, {name: prefill(name) for name in libraries})
         flops = 2 * 2 * args.heads * args.head_dim * args.prompt * (args.prompt + 1) / 2
-        diff = (outs["engine"].float() - outs["generic"].float()).abs().max().item()
+        diff = (outs["engine"].float() - outs[other].float()).abs().max().item()
         print(f"| {dtype} | prefill {args.prompt} tokens | {path} | {best['engine'] * 1e3:.2f} | "
-              f"{best['generic'] * 1e3:.2f} | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
-              f"{flops / best['generic'] / 1e9:.0f} GFLOP/s | {best['generic'] / best['engine']:.2f}x | {diff:.1e} |")
+              f"{best[other] * 1e3:.2f} | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
+              f"{flops / best[other] / 1e9:.0f} GFLOP/s | {best[other] / best['engine']:.2f}x | {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -132,3 +132,17 @@ def test_cpu_attention_benchmark_runs() -> None:
         ("torch.bfloat16", "prefill")]
     assert all(row[2].strip() in ("generic", "avx2", "avx512-bf16") for row in rows)
     assert all(float(row[8]) < 1e-2 for row in rows), done.stdout
+
+
+def test_cpu_attention_benchmark_against_a_revision() -> None:
+    """``--against REV`` builds the kernels as that commit had them and compares in one process
+    (the before / after figures of docs/benchmarks.md): the column is named after the revision
+    and both builds' outputs agree."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_attention", "--seqs", "3", "--context", "40",
+                           "--layers", "2", "--prompt", "40", "--rounds", "1", "--dtypes", "bfloat16",
+                           "--against", "HEAD"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| HEAD ms |" in done.stdout, done.stdout
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| torch.")]
+    assert len(rows) == 2 and all(float(row[8]) < 1e-2 for row in rows), done.stdout

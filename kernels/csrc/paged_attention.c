@@ -141,6 +141,14 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(_mm512_loadu_ps(s + t), vmax);
     max = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* The same in 8 lanes: the scalar loop is one dependent compare a score (~4% of a decode
+     * call at 512-token contexts on Zen 3). */
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + t), vmax);
+    float lane_max[8];
+    _mm256_storeu_ps(lane_max, vmax);
+    for (int i = 0; i < 8; ++i) max = lane_max[i] > max ? lane_max[i] : max;
 #endif
     for (; t < n; ++t) max = s[t] > max ? s[t] : max;
     t = 0;
@@ -174,6 +182,18 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
 /* Element offset of token t's row (num_kv_heads * head_dim elements) in a K or V cache. */
 static inline int64_t token_offset(const int32_t *table, int64_t t, int64_t block_size, int64_t token_stride) {
     return ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
+}
+
+/* offsets[t] = token_offset(table, t, ...) for every token of a sequence, without a division
+ * per token: the decode functions below look a row up several times (once per pass over the
+ * heads, once more to prefetch it), and a 64-bit division by the runtime block size costs
+ * more than the row's arithmetic at short contexts. */
+static inline void row_offsets(const int32_t *restrict table, int64_t seq_len, int64_t block_size,
+                               int64_t token_stride, int64_t *restrict offsets) {
+    for (int64_t t = 0, block = 0, slot = 0; t < seq_len; ++t) {
+        offsets[t] = ((int64_t)table[block] * block_size + slot) * token_stride;
+        if (++slot == block_size) slot = 0, ++block;
+    }
 }
 
 static inline void prefetch_token(const void *cache, int64_t element_size, const int32_t *table, int64_t t,
@@ -301,9 +321,8 @@ static inline __attribute__((always_inline)) __m256 reduce_8(const __m256 a[8]) 
 
 /* scores[h * seq_len + t] = scale * q_h . K_t, every head and token of one sequence. */
 static inline __attribute__((always_inline)) void decode_scores_avx2(
-        const float *restrict q, const int32_t *restrict table, int64_t seq_len, const void *key_cache, int is_bf16,
-        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-        float *restrict scores) {
+        const float *restrict q, const int64_t *restrict offsets, int64_t seq_len, const void *key_cache, int is_bf16,
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, float *restrict scores) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t element_size = is_bf16 ? sizeof(bf16_t) : sizeof(float);
     const __m256 scale_v = _mm256_set1_ps(scale);
@@ -311,9 +330,11 @@ static inline __attribute__((always_inline)) void decode_scores_avx2(
         const int64_t n = seq_len - t0 < DECODE_TOKENS ? seq_len - t0 : DECODE_TOKENS;
         int64_t row[DECODE_TOKENS];
         for (int u = 0; u < DECODE_TOKENS; ++u)   /* past the sequence: token t0 again, its scores dropped */
-            row[u] = token_offset(table, t0 + (u < n ? u : 0), block_size, token_stride);
-        for (int u = 0; u < DECODE_TOKENS; ++u)
-            prefetch_token(key_cache, element_size, table, t0 + PREFETCH_TOKENS + u, seq_len, block_size, token_stride);
+            row[u] = offsets[t0 + (u < n ? u : 0)];
+        for (int64_t t = t0 + PREFETCH_TOKENS; t < t0 + PREFETCH_TOKENS + DECODE_TOKENS && t < seq_len; ++t) {
+            const char *ahead = (const char *)key_cache + offsets[t] * element_size;
+            for (int64_t byte = 0; byte < token_stride * element_size; byte += 64) __builtin_prefetch(ahead + byte);
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
             const int64_t head_offset = (h / group) * head_dim;
             __m256 acc[DECODE_TOKENS];
@@ -323,9 +344,14 @@ static inline __attribute__((always_inline)) void decode_scores_avx2(
                 _Pragma("GCC unroll 8") for (int u = 0; u < DECODE_TOKENS; ++u)
                     acc[u] = _mm256_fmadd_ps(qv, load8(key_cache, is_bf16, row[u] + head_offset + d), acc[u]);
             }
-            float sums[DECODE_TOKENS];
-            _mm256_storeu_ps(sums, _mm256_mul_ps(reduce_8(acc), scale_v));
-            for (int64_t u = 0; u < n; ++u) scores[h * seq_len + t0 + u] = sums[u];
+            const __m256 sums = _mm256_mul_ps(reduce_8(acc), scale_v);
+            if (n == DECODE_TOKENS) {
+                _mm256_storeu_ps(scores + h * seq_len + t0, sums);
+            } else {   /* gcc turned a copy loop for every group into rep movs: the tail only */
+                float tail[DECODE_TOKENS];
+                _mm256_storeu_ps(tail, sums);
+                for (int64_t u = 0; u < n; ++u) scores[h * seq_len + t0 + u] = tail[u];
+            }
         }
     }
 }
@@ -333,46 +359,50 @@ static inline __attribute__((always_inline)) void decode_scores_avx2(
 /* out[h][d0 : d0 + 8 * nv] = sum over t of p_h[t] * V_t for nh (<= 3) heads h0.. of KV head g. */
 static inline __attribute__((always_inline)) void decode_values_avx2(
         const int nh, const int nv, const float *restrict scores, float *restrict out, int64_t h0,
-        const int32_t *restrict table, int64_t seq_len, const void *value_cache, int is_bf16, int64_t head_offset,
-        int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t d0) {
+        const int64_t *restrict offsets, int64_t seq_len, const void *value_cache, int is_bf16, int64_t head_offset,
+        int64_t head_dim, int64_t d0) {
     const int64_t element_size = is_bf16 ? sizeof(bf16_t) : sizeof(float);
     __m256 acc[DECODE_HEADS][DECODE_VECTORS];
     _Pragma("GCC unroll 3") for (int i = 0; i < nh; ++i)
         _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) acc[i][j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < seq_len; ++t) {
         if (t + PREFETCH_TOKENS < seq_len) {   /* this pass reads 8 * nv elements of each token's row */
-            const char *ahead = (const char *)value_cache +
-                                (token_offset(table, t + PREFETCH_TOKENS, block_size, token_stride) + head_offset + d0) * element_size;
+            const char *ahead = (const char *)value_cache + (offsets[t + PREFETCH_TOKENS] + head_offset + d0) * element_size;
             for (int64_t byte = 0; byte < 8 * nv * element_size; byte += 64) __builtin_prefetch(ahead + byte);
         }
-        const int64_t at = token_offset(table, t, block_size, token_stride) + head_offset + d0;
-        __m256 v[DECODE_VECTORS];
-        _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) v[j] = load8(value_cache, is_bf16, at + 8 * j);
-        _Pragma("GCC unroll 3") for (int i = 0; i < nh; ++i) {
-            const __m256 p = _mm256_broadcast_ss(scores + (h0 + i) * seq_len + t);
-            _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) acc[i][j] = _mm256_fmadd_ps(p, v[j], acc[i][j]);
+        const int64_t at = offsets[t] + head_offset + d0;
+        /* The weights first, then one V vector at a time: 12 accumulators + 3 weights + 1 V
+         * vector are the 16 registers. Holding the 4 V vectors instead needs 17, and gcc then
+         * kept an accumulator on the stack: a store and reload on every token's critical path
+         * (~14% of a decode call at 512 tokens on Zen 3). */
+        __m256 p[DECODE_HEADS];
+        _Pragma("GCC unroll 3") for (int i = 0; i < nh; ++i) p[i] = _mm256_broadcast_ss(scores + (h0 + i) * seq_len + t);
+        _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) {
+            const __m256 v = load8(value_cache, is_bf16, at + 8 * j);
+            _Pragma("GCC unroll 3") for (int i = 0; i < nh; ++i) acc[i][j] = _mm256_fmadd_ps(p[i], v, acc[i][j]);
         }
     }
     _Pragma("GCC unroll 3") for (int i = 0; i < nh; ++i)
         _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + (h0 + i) * head_dim + d0 + 8 * j, acc[i][j]);
 }
 
-/* attend_sequence for AVX2 + FMA builds: same inputs, outputs and scratch. */
+/* attend_sequence for AVX2 + FMA builds: same inputs and outputs; scratch: the scores and
+ * ``offsets`` [seq_len]. */
 static inline __attribute__((always_inline)) void attend_sequence_avx2(
         const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
-        int64_t head_dim, int64_t block_size, float scale, float *restrict scores) {
+        int64_t head_dim, int64_t block_size, float scale, float *restrict scores, int64_t *restrict offsets) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-    decode_scores_avx2(q, table, seq_len, key_cache, is_bf16, num_heads, num_kv_heads, head_dim, block_size, scale,
-                       scores);
+    row_offsets(table, seq_len, block_size, token_stride, offsets);
+    decode_scores_avx2(q, offsets, seq_len, key_cache, is_bf16, num_heads, num_kv_heads, head_dim, scale, scores);
     for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += DECODE_HEADS) {
             const int64_t nh = (g + 1) * group - h0 < DECODE_HEADS ? (g + 1) * group - h0 : DECODE_HEADS;
             for (int64_t d0 = 0; d0 < head_dim;) {
                 const int wide = head_dim - d0 >= 8 * DECODE_VECTORS;
-#define VALUES(NH, NV) decode_values_avx2(NH, NV, scores, out, h0, table, seq_len, value_cache, is_bf16, g * head_dim, \
-                                          head_dim, block_size, token_stride, d0)
+#define VALUES(NH, NV) decode_values_avx2(NH, NV, scores, out, h0, offsets, seq_len, value_cache, is_bf16, g * head_dim, \
+                                          head_dim, d0)
                 if (nh == 3) { if (wide) VALUES(3, 4); else VALUES(3, 1); }
                 else if (nh == 2) { if (wide) VALUES(2, 4); else VALUES(2, 1); }
                 else { if (wide) VALUES(1, 4); else VALUES(1, 1); }
@@ -548,10 +578,7 @@ static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, co
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     int64_t *offsets = scratch;
     bf16_t *chunk = (bf16_t *)(offsets + seq_len);
-    for (int64_t t = 0, block = 0, slot = 0; t < seq_len; ++t) {   /* token_offset without a division */
-        offsets[t] = ((int64_t)table[block] * block_size + slot) * token_stride;
-        if (++slot == block_size) slot = 0, ++block;
-    }
+    row_offsets(table, seq_len, block_size, token_stride, offsets);
     const int vec = (int)(head_dim / 32);
     if (vec == 1) scores_dp(1, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
               chunk);
@@ -603,7 +630,9 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t seq_len = seq_lens[s];
-        float *scores = malloc(sizeof(float) * num_heads * seq_len);
+        /* The scores, then (at a multiple of 8 bytes) the AVX2 path's row offsets. */
+        const int64_t floats = (num_heads * seq_len + 1) / 2 * 2;
+        float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * seq_len);
         if (scores == NULL) {
             failed = 1;
             continue;
@@ -613,7 +642,7 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
         if (attention_path(0, head_dim) == ATTENTION_AVX2) {
             attend_sequence_avx2(query + offset, out + offset, block_tables + s * block_table_stride, seq_len,
                                  key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 scores);
+                                 scores, (int64_t *)(scores + floats));
             free(scores);
             continue;
         }
@@ -636,9 +665,12 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t seq_len = seq_lens[s];
         /* One allocation: scores, the float32 query, output and V row, then the dot-product
-         * path's scratch (at a multiple of 8 bytes: it starts with int64 offsets). */
+         * path's scratch or the AVX2 path's (at a multiple of 8 bytes: both start with int64 row
+         * offsets). */
         const int64_t floats = (num_heads * seq_len + 2 * width + num_kv_heads * head_dim + 1) / 2 * 2;
-        float *scores = malloc(sizeof(float) * floats + dp_scratch_bytes(seq_len, num_kv_heads * head_dim));
+        const int64_t dp_bytes = dp_scratch_bytes(seq_len, num_kv_heads * head_dim);
+        const int64_t offsets_bytes = (int64_t)sizeof(int64_t) * seq_len;
+        float *scores = malloc(sizeof(float) * floats + (dp_bytes > offsets_bytes ? dp_bytes : offsets_bytes));
         if (scores == NULL) {
             failed = 1;
             continue;
@@ -657,7 +689,8 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
 #if AVX2_ATTENTION
             if (attention_path(1, head_dim) == ATTENTION_AVX2)
                 attend_sequence_avx2(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
-                                     num_heads, num_kv_heads, head_dim, block_size, scale, scores);
+                                     num_heads, num_kv_heads, head_dim, block_size, scale, scores,
+                                     (int64_t *)(scores + floats));
             else
 #endif
             attend_sequence(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
