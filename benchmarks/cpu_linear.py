@@ -10,7 +10,8 @@ the machines are shared and their speed drifts.
     python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our bf16 kernel (AMX, AVX512_BF16 or AVX2)
     python -m benchmarks.cpu_linear --rows 1,2,4,16,64,512 --dtype bfloat16 --paths native,native-noamx,onednn
 
-``native-noamx`` is our bfloat16 kernel from a build without AMX tiles (``-mno-amx-tile
+``onednn-hint`` is oneDNN with each weight prepacked for the row count being timed (a batch-size
+hint; the engine packs without one). ``native-noamx`` is our bfloat16 kernel from a build without AMX tiles (``-mno-amx-tile
 -mno-amx-bf16``: the AVX512_BF16 dot products, or AVX2): on an AMX CPU, the AMX version against
 the one it replaces from 2 rows, in the same run. ``--variant NAME=CFLAGS`` adds more builds of
 it as paths, e.g. the AMX version's knobs:
@@ -79,13 +80,16 @@ def main() -> None:
     makers.update((name, kernel_build(flags)) for name, flags in builds.items()
                   if bf16_kernel and name in args.paths.split(","))     # each build compiled once
     available = {"native": native_kernel_available(dtype), "onednn": onednn_packing_available(dtype), "torch": True,
-                 **{name: bf16_kernel for name in builds}}
+                 "onednn-hint": onednn_packing_available(dtype), **{name: bf16_kernel for name in builds}}
     layers: dict[str, list] = {}
     for path in args.paths.split(","):
         if not available[path]:
             print(f"{path}: not available here, skipped")
             continue
-        layers[path] = weights if path == "torch" else [makers[path](w, None) for w in weights]
+        if path == "onednn-hint":
+            layers[path] = []    # packed for each row count below
+        else:
+            layers[path] = weights if path == "torch" else [makers[path](w, None) for w in weights]
     amx = dtype == torch.bfloat16 and cpu_native.use_amx(True)   # native: as the engine runs it
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, native AMX tiles {'on' if amx else 'off'}, "
           f"{len(shapes)} matmuls per step, "
@@ -95,6 +99,8 @@ def main() -> None:
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes}}
+            if "onednn-hint" in layers:
+                layers["onednn-hint"] = [PackedLinear(w, None, batch_size=rows) for w in weights]
 
             def one_step(path: str) -> Callable[[], None]:
                 stack = layers[path]

@@ -59,7 +59,7 @@ fi
 if [[ " $STAGES " == *" linear "* ]]; then
     log "== linear paths, the model's 121 matmuls"
     OMP_NUM_THREADS=2 timeout 120 taskset -c $PIN $OURS -m benchmarks.cpu_linear --dtype bfloat16 \
-        --rows "${ROWS:-1,2,4,16,64,512}" --rounds 3 --paths native,native-noamx,onednn 2>&1 | tee -a "$SUMMARY" | tail -9
+        --rows "${ROWS:-1,2,4,16,64,512}" --rounds 3 --paths native,native-noamx,onednn,onednn-hint 2>&1 | tee -a "$SUMMARY" | tail -9
 fi
 
 tree() { echo "$1"; for child in $(pgrep -P "$1"); do tree "$child"; done; }   # $1 and its descendants

@@ -135,12 +135,14 @@ def test_native_linear_matches_f_linear(rows: int, in_features: int, out_feature
 
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("batch_size", [None, 16], ids=["no-hint", "packed-for-16-rows"])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool, batch_size: int | None) -> None:
+    # A weight packed for 16 rows (benchmarks.cpu_linear's onednn-hint) still serves any count.
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(960, 576, generator=gen)
     b = torch.randn(960, generator=gen) if bias else None
     x = torch.randn(rows, 576, generator=gen)
-    layer = PackedLinear(weight, b)
+    layer = PackedLinear(weight, b, batch_size=batch_size)
     torch.testing.assert_close(layer(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
     # Non-contiguous input rows (a slice of a wider activation), as the model produces.
     wide = torch.randn(rows, 1152, generator=gen)

@@ -230,11 +230,13 @@ class Float32Logits(nn.Module):
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (opaque tensor)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # No batch-size hint: one packed weight serves every number of rows.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        # The engine gives no batch-size hint: one packed weight serves every number of rows.
+        # ``batch_size``: the layout oneDNN picks for that many rows (benchmarks.cpu_linear's
+        # ``onednn-hint`` path measures whether a hint pays where it may, bfloat16 on AMX).
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size)
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
