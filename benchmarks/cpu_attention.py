@@ -37,15 +37,15 @@ from kernels import cpu_native
 
 def build_revision(revision: str, cflags: tuple[str, ...]) -> Path:
     """The kernel library as git revision ``revision`` had it (its kernels/csrc, this tree's
-    flags), built in a temporary folder. Revisions whose library lacks a function
-    ``cpu_native.open_library`` declares cannot be loaded."""
+    flags), built in a temporary folder. A source file the revision did not have yet is taken
+    from this tree (``cpu_native.open_library`` declares every function); revisions whose files
+    lack a function it declares cannot be loaded."""
     repo = Path(__file__).resolve().parent.parent
     folder = Path(tempfile.mkdtemp(prefix="kernels-"))
-    names = [*(source.name for source in cpu_native.SOURCES), *(header.name for header in cpu_native.HEADERS)]
-    for name in names:
-        text = subprocess.run(["git", "show", f"{revision}:kernels/csrc/{name}"], cwd=repo, check=True,
-                              capture_output=True, text=True).stdout
-        (folder / name).write_text(text)
+    for path in (*cpu_native.SOURCES, *cpu_native.HEADERS):
+        shown = subprocess.run(["git", "show", f"{revision}:kernels/csrc/{path.name}"], cwd=repo,
+                               capture_output=True, text=True)
+        (folder / path.name).write_text(shown.stdout if shown.returncode == 0 else path.read_text())
     target = folder / "cpu_kernels.so"
     sources = [str(folder / source.name) for source in cpu_native.SOURCES]
     subprocess.run(["gcc", *cflags, "-o", str(target), *sources, "-lm"], check=True, capture_output=True, text=True)

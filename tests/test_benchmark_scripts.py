@@ -47,6 +47,16 @@ def test_silu_and_mul_benchmark_runs() -> None:
     assert done.stdout.count("| bfloat16 |") == 3      # two op rows (decode rows, 512) and one step row
 
 
+def test_greedy_argmax_benchmark_runs() -> None:
+    """The C argmax against torch.argmax: the op alone at three row counts and alternating steps."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.greedy_argmax", "--batch", "2", "--rounds", "2",
+                           "--steps", "1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("x |") == 3, done.stdout      # rows 1, 2 and 64
+    assert "| median of 2 rounds |" in done.stdout, done.stdout
+
+
 def test_sampling_draw_benchmark_runs() -> None:
     """The sampled-decode comparison of the two draws runs both and restores the engine's."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.sampling_draw", "--streams", "2", "--max-tokens", "4",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import platform
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from backend.core.request import Request
-from backend.sample.sampler import Sampler, SamplerOutput, draw
+from backend.model.cpu_features import detect
+from backend.sample.sampler import Sampler, SamplerOutput, draw, greedy
+from kernels import cpu_native
 from backend.sampling_params import SamplingParams
 
 EOS = 2                      # same EOS id as the real model, inside the small hand-made vocab
@@ -77,6 +80,97 @@ def test_greedy_picks_argmax_per_row() -> None:
     assert isinstance(out, SamplerOutput)
     assert out.token_ids == [[t] for t in logits.argmax(dim=-1).tolist()]
     assert out.logprobs == [None] * 16
+
+
+# ---- the C argmax (kernels/csrc/sampling.c) against torch.argmax ------------------------------
+
+# version -> (flags its library is built with, beside -march=native; CPU features it needs)
+ARGMAX_VERSIONS = {
+    "avx512f": ((), {"avx512f"}),
+    "avx2": (("-mno-avx512f",), {"avx2"}),
+    "plain-c": (("-mno-avx2",), set()),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARGMAX_VERSIONS))
+def argmax_library(request):
+    """A build of the C kernels whose argmax is the version named; skipped, naming the missing
+    CPU features, only where this CPU cannot run it."""
+    flags, needed = ARGMAX_VERSIONS[request.param]
+    if platform.machine() not in ("x86_64", "AMD64") and request.param != "plain-c":
+        pytest.skip(f"NOT RUN: the {request.param} argmax needs an x86 CPU, this is {platform.machine()}")
+    missing = needed - detect().flags
+    if missing:
+        pytest.skip(f"NOT RUN: the {request.param} argmax needs CPU features {sorted(missing)}, which this CPU lacks")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        flags = ()
+    return cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + flags))
+
+
+def c_argmax(library, logits: torch.Tensor, threads: int) -> torch.Tensor:
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    library.argmax_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                            threads)
+    return out
+
+
+def argmax_edge_rows(vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows that test the kernel's corners at this vocabulary size: ties (the first must win),
+    NaN (torch answers the first NaN), infinities, a row of -inf, signed zeros, and maxima in
+    the vector part, the tail and at both ends."""
+    made = []
+    for position in sorted({0, vocab // 2, vocab - 1, min(vocab - 1, 8), min(vocab - 1, 17)}):
+        row = torch.randn(vocab, generator=generator)
+        row[position] = 10.0
+        made.append(row.clone())
+        later = torch.arange(position, vocab)[::3]
+        tied = row.clone()
+        tied[later] = 10.0                       # the maximum again later: position still wins
+        made.append(tied)
+        nan = row.clone()
+        nan[position] = float("nan")
+        nan[later] = float("nan")
+        made.append(nan)
+        inf = torch.full((vocab,), -float("inf"))
+        inf[position] = float("inf")
+        made.append(inf)
+    made.append(torch.full((vocab,), -float("inf")))
+    zeros = torch.zeros(vocab)
+    zeros[::2] = -0.0
+    made.append(zeros)
+    return torch.stack(made)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 16, 17, 31, 100, 49152])
+def test_c_argmax_equals_torch_argmax(argmax_library, vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.cat([torch.randn(5, vocab, generator=generator) * 4, argmax_edge_rows(vocab, generator)])
+    for threads in (1, 3):
+        assert torch.equal(c_argmax(argmax_library, logits, threads), logits.argmax(dim=-1)), (vocab, threads)
+    # Rows of a wider tensor (a row stride past the vocabulary), as a slice of padded logits.
+    wide = torch.full((logits.shape[0], vocab + 5), float("inf"))
+    wide[:, :vocab] = logits
+    assert torch.equal(c_argmax(argmax_library, wide[:, :vocab], 2), logits.argmax(dim=-1))
+
+
+def test_c_argmax_many_rows_on_threads(argmax_library) -> None:
+    """A step's worth of rows (the threaded case) and low-precision ties: logits that went
+    through bfloat16 repeat values often."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(40, 49152, generator=generator) * 3).bfloat16().float()
+    assert torch.equal(c_argmax(argmax_library, logits, 2), logits.argmax(dim=-1))
+
+
+def test_sampler_greedy_takes_the_c_argmax_on_cpu(monkeypatch) -> None:
+    """Float32 CPU logits go to the kernel; other dtypes to torch. Both answer torch.argmax's."""
+    calls = []
+    real = cpu_native.argmax_rows
+    monkeypatch.setattr(cpu_native, "argmax_rows", lambda logits: calls.append(logits.shape) or real(logits))
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 49152, generator=generator)
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1)) and calls == [(16, 49152)]
+    half = logits.bfloat16()
+    assert torch.equal(greedy(half), half.argmax(dim=-1)) and len(calls) == 1
 
 
 def test_greedy_hand_made_rows() -> None:
