@@ -6,6 +6,11 @@ RoPE + K/V write, the step's attention plan, sampling, host-side batch preparati
 is left ("other") is the MLP activation, embedding, RoPE tables, the scheduler and Python
 overhead. The wrappers cost ~1 us per call (~300 calls a step), well under 1% of a step.
 
+The families are timed where the model's Python layer loop calls them, so the breakdown runs
+that loop (``CausalLM._decoder_fused``); where the engine runs the layers as one C call
+(``backend/model/cpu_decoder.py``: the same kernels), that step is timed in the same rounds as
+its own column, "C step".
+
 The engines of the dtypes compared are built side by side and measured in alternating
 rounds, so a machine that is busy with something else (a test suite on the same 2
 cores) slows both alike; each figure is the median over rounds of a round's mean step.
@@ -108,6 +113,15 @@ def measure_round(engine: Engine, steps: int) -> dict[str, float]:
     return row
 
 
+def c_step(engine: Engine, steps: int) -> float:
+    """Mean ms a decode step with the layers as one C call (no family timers on the path)."""
+    engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=EngineConfig.model)
@@ -133,11 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     rounds: dict[str, list[dict[str, float]]] = {dtype: [] for dtype in dtypes}
     for _ in range(args.rounds):
         for dtype, engine in engines.items():
-            rounds[dtype].append(measure_round(engine, args.steps))
+            model = engine.runner.model
+            decoder, model.cpu_decoder = model.cpu_decoder, None     # the loop: its families are timed
+            row = measure_round(engine, args.steps)
+            model.cpu_decoder = decoder
+            row["C step"] = c_step(engine, args.steps) if decoder is not None else float("nan")
+            rounds[dtype].append(row)
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; {args.batch} decodes, contexts "
           f"{args.min_context}..{args.max_context}; median of {args.rounds} rounds of {args.steps} steps "
           "(ms per step; cpu: process CPU time, all threads)")
-    columns = ["step", "cpu", *FAMILIES]
+    columns = ["step", "cpu", *FAMILIES, "C step"]
     print("| dtype | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     result = {}
     for dtype, samples in rounds.items():

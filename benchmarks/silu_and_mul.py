@@ -1,7 +1,8 @@
 """The MLP's SiLU x up, fused (``kernels.cpu_native.silu_and_mul``) against the torch ops it
 replaces (``F.silu(gate, inplace=True).mul_(up)``), on CPU: first the op alone over 30 layers'
 activations, then whole decode steps of one engine whose MLPs switch between the two every
-round (alternating in one process: these machines' speed drifts).
+round (alternating in one process: these machines' speed drifts), through the Python layer
+loop (the layers as one C call always fuse).
 
     python -m benchmarks.silu_and_mul                      # SmolLM2 shapes, random weights
 """
@@ -45,6 +46,7 @@ def decode_steps(model: str, dtype: str, batch: int, rounds: int, steps: int) ->
     """Median ms a decode step, the MLPs' activation by torch ops or fused, alternating rounds."""
     rng = random.Random(0)
     engine = decoding_engine(model, dtype, [rng.randint(64, 192) for _ in range(batch)], "dummy")
+    engine.runner.model.cpu_decoder = None     # the Python layer loop, where the MLPs' ops switch
     mlps = [layer.mlp for layer in engine.runner.model.model.layers]
     fused_ops = mlps[0].layer_ops
     assert fused_ops is cpu_native, "the engine runs without the C layer ops here"

@@ -32,10 +32,35 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
                                                                        "linear_bf16.c", "layer_ops.c", "lora.c",
-                                                                       "sampling.c"))
+                                                                       "sampling.c", "decoder.c"))
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("bf16.h", "vec_exp.h"))  # hashed, not compiled alone
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+# kernels/csrc/decoder.c's structs, field for field (backend/model/cpu_decoder.py fills them).
+class DecoderLayer(ctypes.Structure):
+    """decoder_layer_t: one layer's norm weights, packed projections, float32 biases (or
+    None) and K/V caches."""
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
+                ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P),
+                ("key_cache", _P), ("value_cache", _P)]
+
+
+class DecoderShape(ctypes.Structure):
+    """decoder_shape_t."""
+    _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("block_size", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class DecoderStep(ctypes.Structure):
+    """decoder_step_t: the step's rows, RoPE tables, slots and attention plan (decode and
+    prefill parts, a count of 0 when absent)."""
+    _fields_ = [("tokens", _I64), ("cos", _P), ("sin", _P), ("slots", _P),
+                ("num_decodes", _I64), ("decode_table_stride", _I64), ("decode_rows", _P),
+                ("decode_seq_lens", _P), ("decode_tables", _P),
+                ("num_prefills", _I64), ("prefill_table_stride", _I64), ("prefill_starts", _P),
+                ("prefill_query_lens", _P), ("prefill_seq_lens", _P), ("prefill_tables", _P)]
 
 
 def _cache_dir() -> Path:
@@ -128,6 +153,9 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                                 _I64]
         getattr(library, "silu_and_mul" + suffix).restype = None
         getattr(library, "silu_and_mul" + suffix).argtypes = [_P, _I64, _I64, _I64, ctypes.c_int]
+    library.decoder_layers.restype = ctypes.c_int
+    library.decoder_layers.argtypes = [ctypes.c_int, ctypes.POINTER(DecoderLayer), _I64, ctypes.POINTER(DecoderShape),
+                                       ctypes.POINTER(DecoderStep), _P, ctypes.c_int]
     library.argmax_rows_f32.restype = None
     library.argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_int]
     for suffix in LAYER_OPS_SUFFIXES.values():

@@ -57,6 +57,16 @@ def test_greedy_argmax_benchmark_runs() -> None:
     assert "| median of 2 rounds |" in done.stdout, done.stdout
 
 
+def test_cpu_decoder_benchmark_runs() -> None:
+    """The layers as one C call against the Python loop: a decode and a prefill row per dtype."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_decoder", "--dtypes", "bfloat16", "--batch", "2",
+                           "--prompt", "40", "--rounds", "2", "--steps", "1"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("| bfloat16 |") == 2 and done.stdout.count("x |") == 2, done.stdout
+
+
 def test_sampling_draw_benchmark_runs() -> None:
     """The sampled-decode comparison of the two draws runs both and restores the engine's."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.sampling_draw", "--streams", "2", "--max-tokens", "4",

@@ -19,7 +19,9 @@ import kernels
 from kernels import cpu_native
 from backend.lora.batch import add_lora, lora_batch
 from backend.lora.slots import LoRABatch
+from backend.model import cpu_decoder
 from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_decoder import CpuDecoder
 from backend.model.cpu_linear import Float32Logits, PackedLinear, native_linear, replace_linears
 
 
@@ -187,6 +189,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
         self.layer_ops: ModuleType | None = None        # set by use_fused_layer_ops
+        self.cpu_decoder: CpuDecoder | None = None      # set by use_fused_layer_ops: the C layer loop
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +211,11 @@ class CausalLM(nn.Module):
         plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
                                       kv_caches[0][0].shape[1], self.attention_backend)
         if self.layer_ops is not None:
-            self._decoder_fused(h, cos, sin, meta, kv_caches, plan)
+            # All layers in one C call where it applies (no LoRA in the batch: its deltas are
+            # added between the kernels); the Python loop of the same kernels otherwise.
+            if not (self.cpu_decoder is not None and meta.lora is None
+                    and self.cpu_decoder.run(h, cos, sin, meta, kv_caches, plan)):
+                self._decoder_fused(h, cos, sin, meta, kv_caches, plan)
         else:
             for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
                 h += layer.self_attn(layer.input_layernorm(h), cos, sin, key_cache, value_cache, meta, plan)
@@ -242,8 +249,10 @@ class CausalLM(nn.Module):
         """Fuse RMSNorm with the residual add, RoPE with the K/V cache write and the MLP's SiLU
         with its product where they apply (no q/k norm): in C (kernels/csrc/layer_ops.c) with the
         ``cpu`` attention backend, in float32 or bfloat16, the C library built; in Triton
-        (kernels/triton_layer_ops.py) with the ``triton`` one. Returns which (``"c"``, ``"triton"``) or None: the torch ops above run,
-        the reference of both."""
+        (kernels/triton_layer_ops.py) with the ``triton`` one. Returns which (``"c"``, ``"triton"``)
+        or None: the torch ops above run, the reference of both. With the C ops and our C kernel
+        for every projection, the layer loop itself runs in C too (``self.cpu_decoder``,
+        backend/model/cpu_decoder.py)."""
         dtype = self.model.embed_tokens.weight.dtype
         ops = None
         if enabled and not self.arch.qk_norm:
@@ -258,6 +267,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.layer_ops = ops
             layer.mlp.layer_ops = ops
+        # With the C ops and our C projections everywhere, the layer loop itself runs in C.
+        self.cpu_decoder = CpuDecoder(self) if cpu_decoder.unsupported_reason(self) is None else None
         return self.fused_layer_ops
 
     @property

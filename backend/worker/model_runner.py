@@ -111,8 +111,10 @@ class ModelRunner:
                         self.cpu_linear, f" ({version} kernel)" if bf16_kernel else "")
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops)
-        logger.info("fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): %s",
-                    self.model.fused_layer_ops or "off (torch ops)")
+        logger.info("fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): %s%s",
+                    self.model.fused_layer_ops or "off (torch ops)",
+                    "; the decoder layers run as one C call a step (no LoRA in the batch)"
+                    if self.model.cpu_decoder is not None else "")
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens

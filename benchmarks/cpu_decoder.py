@@ -1,0 +1,85 @@
+"""The decoder layers as one C call (``backend/model/cpu_decoder.py``) against the Python loop of
+the same kernels (``CausalLM._decoder_fused``): engine steps of one engine whose model switches
+between the two every round (alternating in one process: these machines' speed drifts), for a
+decode step (``--batch`` sequences) and a prompt's prefill (one ``--prompt``-token prompt, all
+its steps, in an engine of its own).
+
+    python -m benchmarks.cpu_decoder                        # SmolLM2 shapes, random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from backend import Engine, EngineConfig, SamplingParams
+from benchmarks.decode_breakdown import decoding_engine
+from benchmarks.step_cost import cpu_name
+
+
+def alternate(engine: Engine, run_step, rounds: int, steps: int) -> dict[str, float]:
+    """Median ms of ``run_step()`` with the layers in C and in the Python loop, alternating."""
+    model = engine.runner.model
+    decoder = model.cpu_decoder
+    assert decoder is not None, "the C decoder does not apply here (cpu_linear=native and the C layer ops needed)"
+    times: dict[str, list[float]] = {"loop": [], "c": []}
+    try:
+        for r in range(rounds):
+            for name in (("loop", "c") if r % 2 else ("c", "loop")):
+                model.cpu_decoder = decoder if name == "c" else None
+                run_step()                   # one unmeasured step after each switch
+                start = time.perf_counter()
+                for _ in range(steps):
+                    run_step()
+                times[name].append((time.perf_counter() - start) / steps * 1e3)
+    finally:
+        model.cpu_decoder = decoder
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def prefill_step(engine: Engine, prompt: int, rng: random.Random):
+    """The steps that prefill one fresh ``prompt``-token prompt and sample its one token."""
+    counter = iter(range(10 ** 9))
+
+    def run() -> None:
+        request_id = f"prefill-{next(counter)}"
+        tokens = [rng.randrange(1000, engine.arch.vocab_size) for _ in range(prompt)]
+        engine.add_request(request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        while request_id in engine.requests:
+            engine.step()
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EngineConfig.model)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--load-format", default="dummy")
+    args = parser.parse_args(argv)
+    print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; medians of {args.rounds} rounds, alternating")
+    print("| dtype | step | Python loop ms | one C call ms | speed-up |\n|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        rng = random.Random(0)
+        engine = decoding_engine(args.model, dtype, [rng.randint(64, 192) for _ in range(args.batch)],
+                                 args.load_format)
+        decode = alternate(engine, engine.step, args.rounds, args.steps)
+        print(f"| {dtype} | decode, {args.batch} sequences of 64-192 tokens | {decode['loop']:.1f} | "
+              f"{decode['c']:.1f} | {decode['loop'] / decode['c']:.2f}x |")
+        del engine
+        engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=4, num_kv_blocks=2048,
+                                     enable_prefix_caching=False, itl_target_ms=0.0, load_format=args.load_format))
+        prefill = alternate(engine, prefill_step(engine, args.prompt, rng), max(2, args.rounds // 2), 1)
+        print(f"| {dtype} | prefill of a {args.prompt}-token prompt | {prefill['loop']:.1f} | {prefill['c']:.1f} | "
+              f"{prefill['loop'] / prefill['c']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
