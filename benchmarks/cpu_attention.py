@@ -24,6 +24,7 @@ machines are shared; the best round counts), and their outputs are compared.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import subprocess
 import tempfile
 from pathlib import Path
@@ -35,21 +36,29 @@ from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
 
-def build_revision(revision: str, cflags: tuple[str, ...]) -> Path:
+def build_revision(revision: str, cflags: tuple[str, ...]) -> ctypes.CDLL:
     """The kernel library as git revision ``revision`` had it (its kernels/csrc, this tree's
-    flags), built in a temporary folder. A source file the revision did not have yet is taken
-    from this tree (``cpu_native.open_library`` declares every function); revisions whose files
-    lack a function it declares cannot be loaded."""
+    flags), built in a temporary folder and loaded. A source file that did not exist yet at that
+    revision is taken from this tree (``cpu_native.open_library`` declares every function);
+    revisions whose files lack a function it declares cannot be loaded."""
     repo = Path(__file__).resolve().parent.parent
-    folder = Path(tempfile.mkdtemp(prefix="kernels-"))
-    for path in (*cpu_native.SOURCES, *cpu_native.HEADERS):
-        shown = subprocess.run(["git", "show", f"{revision}:kernels/csrc/{path.name}"], cwd=repo,
-                               capture_output=True, text=True)
-        (folder / path.name).write_text(shown.stdout if shown.returncode == 0 else path.read_text())
-    target = folder / "cpu_kernels.so"
-    sources = [str(folder / source.name) for source in cpu_native.SOURCES]
-    subprocess.run(["gcc", *cflags, "-o", str(target), *sources, "-lm"], check=True, capture_output=True, text=True)
-    return target
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=repo,
+                            capture_output=True, text=True)
+    if commit.returncode != 0:
+        raise SystemExit(f"--against {revision}: not a commit of this repository ({commit.stderr.strip()})")
+    with tempfile.TemporaryDirectory(prefix="kernels-") as tmp:
+        folder = Path(tmp)
+        for path in (*cpu_native.SOURCES, *cpu_native.HEADERS):
+            spec = f"{revision}:kernels/csrc/{path.name}"
+            exists = subprocess.run(["git", "cat-file", "-e", spec], cwd=repo, capture_output=True).returncode == 0
+            text = subprocess.run(["git", "show", spec], cwd=repo, check=True, capture_output=True,
+                                  text=True).stdout if exists else path.read_text()
+            (folder / path.name).write_text(text)
+        target = folder / "cpu_kernels.so"
+        sources = [str(folder / source.name) for source in cpu_native.SOURCES]
+        subprocess.run(["gcc", *cflags, "-o", str(target), *sources, "-lm"], check=True, capture_output=True,
+                       text=True)
+        return cpu_native.open_library(target)    # loaded: the file may go
 
 
 def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     libraries = {"engine": cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra))}
     if args.against:
         other = args.against
-        libraries[other] = cpu_native.open_library(build_revision(args.against, cpu_native.CFLAGS + extra))
+        libraries[other] = build_revision(args.against, cpu_native.CFLAGS + extra)
     else:
         other = "generic"
         libraries[other] = cpu_native.open_library(

@@ -5,6 +5,9 @@ decode step (``--batch`` sequences) and a prompt's prefill (one ``--prompt``-tok
 its steps, in an engine of its own).
 
     python -m benchmarks.cpu_decoder                        # SmolLM2 shapes, random weights
+
+Both run with ``cpu_linear=native`` (the C loop needs our kernel for every projection; ``auto``
+picks oneDNN on some AVX-512 and AMX CPUs).
 """
 
 from __future__ import annotations
@@ -69,13 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.dtypes.split(","):
         rng = random.Random(0)
         engine = decoding_engine(args.model, dtype, [rng.randint(64, 192) for _ in range(args.batch)],
-                                 args.load_format)
+                                 args.load_format, cpu_linear="native")
         decode = alternate(engine, engine.step, args.rounds, args.steps)
         print(f"| {dtype} | decode, {args.batch} sequences of 64-192 tokens | {decode['loop']:.1f} | "
               f"{decode['c']:.1f} | {decode['loop'] / decode['c']:.2f}x |")
         del engine
         engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=4, num_kv_blocks=2048,
-                                     enable_prefix_caching=False, itl_target_ms=0.0, load_format=args.load_format))
+                                     enable_prefix_caching=False, itl_target_ms=0.0, load_format=args.load_format,
+                                     cpu_linear="native"))
         prefill = alternate(engine, prefill_step(engine, args.prompt, rng), max(2, args.rounds // 2), 1)
         print(f"| {dtype} | prefill of a {args.prompt}-token prompt | {prefill['loop']:.1f} | {prefill['c']:.1f} | "
               f"{prefill['loop'] / prefill['c']:.2f}x |")

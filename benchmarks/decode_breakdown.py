@@ -84,12 +84,13 @@ def start_decodes(engine: Engine, contexts: list[int], rng: random.Random) -> No
     engine.step()
 
 
-def decoding_engine(model: str, dtype: str, contexts: list[int], load_format: str) -> Engine:
+def decoding_engine(model: str, dtype: str, contexts: list[int], load_format: str, **config) -> Engine:
     """An engine decoding len(contexts) greedy sequences, each past a random prompt of that many
     tokens. A fixed token budget (itl_target_ms=0): only decode steps are measured, so the
-    start-up calibration that sizes prefill chunks would be time spent for nothing."""
+    start-up calibration that sizes prefill chunks would be time spent for nothing. ``config``:
+    more EngineConfig fields."""
     engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=len(contexts), num_kv_blocks=2048,
-                                 enable_prefix_caching=False, itl_target_ms=0.0, load_format=load_format))
+                                 enable_prefix_caching=False, itl_target_ms=0.0, load_format=load_format, **config))
     start_decodes(engine, contexts, random.Random(0))
     return engine
 
@@ -114,7 +115,8 @@ def measure_round(engine: Engine, steps: int) -> dict[str, float]:
 
 
 def c_step(engine: Engine, steps: int) -> float:
-    """Mean ms a decode step with the layers as one C call (no family timers on the path)."""
+    """Mean ms a decode step with the layers as one C call (the timers left on its path, around
+    the plan, the LM head and sampling, cost ~1 us a call)."""
     engine.step()
     start = time.perf_counter()
     for _ in range(steps):

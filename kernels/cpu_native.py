@@ -39,7 +39,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 # kernels/csrc/decoder.c's structs, field for field (backend/model/cpu_decoder.py fills them).
-class DecoderLayer(ctypes.Structure):
+class DecoderLayerPointers(ctypes.Structure):
     """decoder_layer_t: one layer's norm weights, packed projections, float32 biases (or
     None) and K/V caches."""
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
@@ -154,8 +154,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, "silu_and_mul" + suffix).restype = None
         getattr(library, "silu_and_mul" + suffix).argtypes = [_P, _I64, _I64, _I64, ctypes.c_int]
     library.decoder_layers.restype = ctypes.c_int
-    library.decoder_layers.argtypes = [ctypes.c_int, ctypes.POINTER(DecoderLayer), _I64, ctypes.POINTER(DecoderShape),
-                                       ctypes.POINTER(DecoderStep), _P, ctypes.c_int]
+    library.decoder_layers.argtypes = [ctypes.c_int, ctypes.POINTER(DecoderLayerPointers), _I64,
+                                       ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderStep), _P, ctypes.c_int]
     library.argmax_rows_f32.restype = None
     library.argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_int]
     for suffix in LAYER_OPS_SUFFIXES.values():
@@ -350,8 +350,8 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> None:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 CPU logits [rows, vocab] with unit column stride
-    (kernels/csrc/sampling.c: the same answer, ties and NaN included, ~10x faster than torch's
-    CPU argmax on a decode step's logits). Returns int64 [rows]."""
+    (kernels/csrc/sampling.c: the same answer, ties and NaN included, ~6x faster than torch's
+    CPU argmax on a decode step's logits, docs/benchmarks.md). Returns int64 [rows]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     if rows:

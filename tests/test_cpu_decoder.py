@@ -76,12 +76,15 @@ needs_kernel = pytest.mark.skipif(not native_kernel_available(torch.float32),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step: str) -> None:
+def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step: str, monkeypatch) -> None:
     model = tiny_model(dtype, qkv_bias)
     decoder = model.cpu_decoder
     assert isinstance(decoder, CpuDecoder)
     meta, tokens = step_metadata(*STEPS[step])
     input_ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
+    loops = []
+    real_loop = CausalLM._decoder_fused
+    monkeypatch.setattr(CausalLM, "_decoder_fused", lambda self, *args: loops.append(1) or real_loop(self, *args))
     results = {}
     for name, which in (("loop", None), ("c", decoder)):
         model.cpu_decoder = which
@@ -90,6 +93,7 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
             logits = model(input_ids, meta, kv)
         results[name] = (logits, kv)
     model.cpu_decoder = decoder
+    assert loops == [1], "the C run fell back to the loop: the comparison would be of the loop with itself"
     assert torch.equal(results["c"][0], results["loop"][0])
     for (k_c, v_c), (k_loop, v_loop) in zip(results["c"][1], results["loop"][1]):
         assert torch.equal(k_c, k_loop) and torch.equal(v_c, v_loop)

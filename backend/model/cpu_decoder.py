@@ -2,8 +2,8 @@
 
 ``CausalLM._decoder_fused`` runs the same C kernels from Python, one layer at a time; that loop
 is the reference, and this gives its bits (tests/test_cpu_decoder.py). What it saves is the
-Python between the kernels: ~250 us a layer, 12% of a 16-sequence bfloat16 decode step on the
-2-core Zen 3 (docs/benchmarks.md, "The decoder layers in one C call").
+Python between the kernels: ~250 us a layer, 12% of the layers' time in a 16-sequence bfloat16
+decode step on the 2-core Zen 3 (docs/benchmarks.md, "The decoder layers in one C call").
 
 It applies where every piece of a layer is one of our C kernels: the fused C layer ops, our
 linear kernel for every projection (``cpu_linear=native``: ``NativeLinear`` in float32,
@@ -20,7 +20,7 @@ import torch
 
 from backend.model.cpu_linear import NativeBf16Linear, NativeLinear
 from kernels import cpu_native
-from kernels.cpu_native import DecoderLayer, DecoderShape, DecoderStep
+from kernels.cpu_native import DecoderLayerPointers, DecoderShape, DecoderStep
 from kernels.cpu_attention import CpuAttentionPlan
 
 if TYPE_CHECKING:
@@ -46,9 +46,9 @@ def unsupported_reason(model: CausalLM) -> str | None:
 
 
 class CpuDecoder:
-    """Runs ``CausalLM._decoder_fused``'s work as kernels/csrc/decoder.c. Holds the model's
-    per-layer pointers (the packed weights live as long as the model); the caches' are added
-    on the first step and kept while the step's caches are the same tensors."""
+    """Runs ``CausalLM._decoder_fused``'s work as kernels/csrc/decoder.c. Holds the tensors whose
+    addresses it hands to C (the packed weights, norms and biases as the model held them when
+    it was built, the caches of the last step), so none is freed while C may read it."""
 
     def __init__(self, model: CausalLM) -> None:
         reason = unsupported_reason(model)
@@ -60,30 +60,38 @@ class CpuDecoder:
         attention = layers[0].self_attn
         self.shape = DecoderShape(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                   arch.intermediate_size, 0, arch.rms_norm_eps, attention.scale)
-        self.layers = (DecoderLayer * len(layers))()
+        self.layers = (DecoderLayerPointers * len(layers))()
+        self._held: list[torch.Tensor] = []
         for entry, layer in zip(self.layers, layers):
-            entry.input_norm = layer.input_layernorm.weight.data_ptr()
-            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            entry.input_norm = self._hold(layer.input_layernorm.weight.detach())
+            entry.post_norm = self._hold(layer.post_attention_layernorm.weight.detach())
             for field, module in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                                   ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-                setattr(entry, field, module.packed_weight.data_ptr())
-                setattr(entry, field + "_bias", None if module.bias is None else module.bias.data_ptr())
-        self._caches: tuple[int, ...] = ()
+                setattr(entry, field, self._hold(module.packed_weight))
+                setattr(entry, field + "_bias", None if module.bias is None else self._hold(module.bias))
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _hold(self, tensor: torch.Tensor) -> int:
+        if tensor.dtype not in (self.dtype, torch.float32) or not tensor.is_contiguous():
+            raise ValueError(f"the C decoder needs contiguous weights, got {tensor.dtype} {tuple(tensor.shape)}")
+        self._held.append(tensor)
+        return tensor.data_ptr()
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Point the layers at these caches; False where the C attention cannot read them
-        (another dtype than the model's: the Python loop's attention takes torch's path)."""
-        pointers = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        if pointers == self._caches:
+        """Point the layers at these caches (kept referenced); False where the C attention
+        cannot read them (another dtype than the model's: the Python loop's attention takes
+        torch's path)."""
+        if len(kv_caches) == len(self._caches) and all(
+                new is old for pair, bound in zip(kv_caches, self._caches) for new, old in zip(pair, bound)):
             return True
         if len(kv_caches) != len(self.layers) or any(
                 cache.dtype != self.dtype or not cache.is_contiguous() or cache.device.type != "cpu"
-                for pair in kv_caches for cache in pair):
+                or cache.shape != kv_caches[0][0].shape for pair in kv_caches for cache in pair):
             return False
         for entry, (key_cache, value_cache) in zip(self.layers, kv_caches):
             entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
         self.shape.block_size = kv_caches[0][0].shape[1]
-        self._caches = pointers
+        self._caches = [tuple(pair) for pair in kv_caches]
         return True
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,

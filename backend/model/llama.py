@@ -282,6 +282,7 @@ class CausalLM(nn.Module):
         """Repack every projection and the LM head for a CPU kernel (backend/model/cpu_linear.py):
         ``native`` (ours) or ``onednn``. A tied head keeps the embedding table for lookups
         and gets a packed copy for logits."""
+        self.cpu_decoder = None          # it holds the old projections: use_fused_layer_ops makes a new one
         make = {"native": native_linear, "onednn": PackedLinear}[kind]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A bfloat16 head still gives float32 logits (Float32Logits says why).

@@ -145,15 +145,16 @@ int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layer
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
     if (t == 0 || num_layers == 0) return 0;
     /* Activations of one layer, reused by every layer: x (normed input), qkv, q (contiguous),
-     * the attention output, a projection's output, gate|up. */
+     * the attention output, a projection's output, gate|up. Each starts on a 64-byte boundary,
+     * as torch's allocations (the Python loop's) do: the same vector loop peeling, so the same
+     * summation order, and no vector split over two cache lines. */
     const int64_t sizes[6] = {s->hidden, qkv_size, q_size, q_size, s->hidden, 2 * inter};
-    int64_t total = 0;
-    for (int i = 0; i < 6; ++i) total += sizes[i] * t * element;
-    char *scratch = malloc((size_t)total);
+    int64_t offsets[7] = {0};
+    for (int i = 0; i < 6; ++i) offsets[i + 1] = offsets[i] + (sizes[i] * t * element + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, (size_t)offsets[6]);
     if (scratch == NULL) return -1;
-    char *x = scratch, *qkv = x + sizes[0] * t * element, *q = qkv + sizes[1] * t * element;
-    char *attn = q + sizes[2] * t * element, *proj = attn + sizes[3] * t * element;
-    char *gate_up = proj + sizes[4] * t * element;
+    char *x = scratch + offsets[0], *qkv = scratch + offsets[1], *q = scratch + offsets[2];
+    char *attn = scratch + offsets[3], *proj = scratch + offsets[4], *gate_up = scratch + offsets[5];
     int status = 0;
     add_rms_norm(is_bf16, h, NULL, layers[0].input_norm, x, t, s->hidden, s->eps);
     for (int64_t i = 0; i < num_layers && status == 0; ++i) {
