@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +51,24 @@ def best_of(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[str, float]
             run()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def alternating_medians(variants: dict[str, Callable[[], Any]], step: Callable[[], Any], rounds: int,
+                        steps: int) -> dict[str, float]:
+    """Median ms of ``step()`` under each variant: ``variants[name]()`` switches to it (an
+    engine's kernel, a model's loop), then one unmeasured step, then ``steps`` timed ones. The
+    variants take turns, in dict order in even rounds and reversed in odd ones, so neither is
+    always first after the other (CPU machines drift). The caller restores what it switched."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+            variants[name]()
+            step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 1 << 30) -> float:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
+from benchmarks.common import alternating_medians
 from benchmarks.decode_breakdown import decoding_engine
 from benchmarks.step_cost import cpu_name
 
@@ -29,19 +28,12 @@ def alternate(engine: Engine, run_step, rounds: int, steps: int) -> dict[str, fl
     model = engine.runner.model
     decoder = model.cpu_decoder
     assert decoder is not None, "the C decoder does not apply here (cpu_linear=native and the C layer ops needed)"
-    times: dict[str, list[float]] = {"loop": [], "c": []}
+    variants = {"c": lambda: setattr(model, "cpu_decoder", decoder),
+                "loop": lambda: setattr(model, "cpu_decoder", None)}
     try:
-        for r in range(rounds):
-            for name in (("loop", "c") if r % 2 else ("c", "loop")):
-                model.cpu_decoder = decoder if name == "c" else None
-                run_step()                   # one unmeasured step after each switch
-                start = time.perf_counter()
-                for _ in range(steps):
-                    run_step()
-                times[name].append((time.perf_counter() - start) / steps * 1e3)
+        return alternating_medians(variants, run_step, rounds, steps)
     finally:
         model.cpu_decoder = decoder
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def prefill_step(engine: Engine, prompt: int, rng: random.Random):

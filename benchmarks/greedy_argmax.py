@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
+from typing import Callable
 
 import torch
 
 from backend import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.sample import sampler
-from benchmarks.common import best_of
+from benchmarks.common import alternating_medians, best_of
 from benchmarks.decode_breakdown import decoding_engine
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
@@ -41,20 +40,14 @@ def decode_steps(model: str, batch: int, rounds: int, steps: int) -> dict[str, f
     """Median ms a float32 decode step (greedy), the argmax by torch or the C kernel, alternating."""
     rng = random.Random(0)
     engine = decoding_engine(model, "float32", [rng.randint(64, 192) for _ in range(batch)], "dummy")
-    kernels = {"torch": lambda logits: logits.argmax(dim=-1), "c": sampler.greedy}
-    times: dict[str, list[float]] = {name: [] for name in kernels}
+    kernels = {"c": sampler.greedy, "torch": lambda logits: logits.argmax(dim=-1)}
+
+    def use(name: str) -> Callable[[], None]:
+        return lambda: setattr(sampler, "greedy", kernels[name])
     try:
-        for r in range(rounds):
-            for name in (("torch", "c") if r % 2 else ("c", "torch")):
-                sampler.greedy = kernels[name]
-                engine.step()                # one unmeasured step after each switch
-                start = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                times[name].append((time.perf_counter() - start) / steps * 1e3)
+        return alternating_medians({name: use(name) for name in kernels}, engine.step, rounds, steps)
     finally:
         sampler.greedy = kernels["c"]
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

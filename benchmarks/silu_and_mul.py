@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from backend import EngineConfig
 from backend.model.architecture import ModelArchitecture
-from benchmarks.common import best_of
+from benchmarks.common import alternating_medians, best_of
 from benchmarks.decode_breakdown import decoding_engine
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
@@ -50,17 +49,12 @@ def decode_steps(model: str, dtype: str, batch: int, rounds: int, steps: int) ->
     mlps = [layer.mlp for layer in engine.runner.model.model.layers]
     fused_ops = mlps[0].layer_ops
     assert fused_ops is cpu_native, "the engine runs without the C layer ops here"
-    times: dict[str, list[float]] = {"torch": [], "fused": []}
-    for r in range(rounds):
-        for name in (("torch", "fused") if r % 2 else ("fused", "torch")):
+    def use(ops) -> Callable[[], None]:
+        def switch() -> None:
             for mlp in mlps:
-                mlp.layer_ops = fused_ops if name == "fused" else None
-            engine.step()                # one unmeasured step after each switch
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            times[name].append((time.perf_counter() - start) / steps * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+                mlp.layer_ops = ops
+        return switch
+    return alternating_medians({"fused": use(fused_ops), "torch": use(None)}, engine.step, rounds, steps)
 
 
 def main(argv: list[str] | None = None) -> None:

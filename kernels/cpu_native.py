@@ -30,10 +30,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.c", "linear_f32.c",
-                                                                       "linear_bf16.c", "layer_ops.c", "lora.c",
-                                                                       "sampling.c", "decoder.c"))
-HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("bf16.h", "vec_exp.h"))  # hashed, not compiled alone
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "linear_f32.c", "linear_bf16.c", "layer_ops.c",
+                                         "lora.c", "sampling.c", "decoder.c"))
+HEADERS = tuple(CSRC / name for name in ("bf16.h", "vec_exp.h"))  # hashed, not compiled alone
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -82,11 +82,14 @@ def cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted))     # first of each (every core repeats them)
 
 
-def build(compiler: str = "gcc", cflags: tuple[str, ...] = CFLAGS) -> Path:
+def build(compiler: str = "gcc", cflags: tuple[str, ...] = CFLAGS, folder: Path = CSRC) -> Path:
     """Compile (once per source/flags/CPU) and return the shared library's path. ``cflags``
-    other than the default: tests build the same sources for an older instruction set."""
+    other than the default: tests build the same sources for an older instruction set.
+    ``folder``: where the files named in SOURCES and HEADERS are read from (another revision's
+    copies: benchmarks/cpu_attention.py --against)."""
+    sources = [folder / source.name for source in SOURCES]
     digest = hashlib.sha256(" ".join(cflags).encode() + cpu_identity().encode())
-    for source in SOURCES + HEADERS:
+    for source in sources + [folder / header.name for header in HEADERS]:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -95,7 +98,7 @@ def build(compiler: str = "gcc", cflags: tuple[str, ...] = CFLAGS) -> Path:
     # Build beside the target and rename: concurrent first uses never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *cflags, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
+        subprocess.run([compiler, *cflags, "-o", str(out), *map(str, sources), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(out, target)
     return target
@@ -282,12 +285,17 @@ def _attention_kernel(kernels: dict[torch.dtype, str], kind: str, query: torch.T
     reads: contiguous CPU tensors, query/out/caches of one dtype, ``indices`` int64, tables int32."""
     if query.dtype not in kernels:
         raise ValueError(f"no C {kind} attention for {query.dtype}")
-    expected = [(query, query.dtype), (out, query.dtype), (key_cache, query.dtype), (value_cache, query.dtype),
-                *((index, torch.int64) for index in indices), (block_tables, torch.int32)]
+    check_tensors([(query, query.dtype), (out, query.dtype), (key_cache, query.dtype), (value_cache, query.dtype),
+                   *((index, torch.int64) for index in indices), (block_tables, torch.int32)])
+    return kernels[query.dtype]
+
+
+def check_tensors(expected: list[tuple[torch.Tensor, torch.dtype]]) -> None:
+    """Each tensor a contiguous CPU tensor of its dtype, as a C kernel reads it (without bounds),
+    else ValueError."""
     for tensor, dtype in expected:
         if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}")
-    return kernels[query.dtype]
 
 
 PREFILL_ATTENTION_DTYPES = {torch.float32: "paged_prefill_attention_f32",

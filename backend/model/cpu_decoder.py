@@ -50,10 +50,13 @@ class CpuDecoder:
     addresses it hands to C (the packed weights, norms and biases as the model held them when
     it was built, the caches of the last step), so none is freed while C may read it."""
 
+    @classmethod
+    def for_model(cls, model: CausalLM) -> CpuDecoder | None:
+        """The model's C layer loop, or None where it does not apply (``unsupported_reason``)."""
+        return cls(model) if unsupported_reason(model) is None else None
+
     def __init__(self, model: CausalLM) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"the C decoder does not apply: {reason}")
+        """Use ``for_model``: this assumes every piece of the layers is a C kernel."""
         arch, layers = model.arch, model.model.layers
         self.dtype = model.model.embed_tokens.weight.dtype
         self.is_bf16 = int(self.dtype == torch.bfloat16)
@@ -107,13 +110,10 @@ class CpuDecoder:
             return False
         # The kernels read these without bounds: checked once a step, as the Python loop's
         # attention wrapper checks them once a layer.
-        for index in (plan.decode_rows, plan.decode_seq_lens, plan.prefill_starts, plan.prefill_query_lens,
-                      plan.prefill_seq_lens):
-            if index is not None and (index.dtype != torch.int64 or not index.is_contiguous()):
-                raise ValueError(f"the attention plan's indices must be contiguous int64, got {index.dtype}")
-        for table in (plan.decode_tables, plan.prefill_tables):
-            if table is not None and (table.dtype != torch.int32 or not table.is_contiguous()):
-                raise ValueError(f"the attention plan's block tables must be contiguous int32, got {table.dtype}")
+        cpu_native.check_tensors([(tensor, dtype) for tensor, dtype in (
+            (plan.decode_rows, torch.int64), (plan.decode_seq_lens, torch.int64), (plan.decode_tables, torch.int32),
+            (plan.prefill_starts, torch.int64), (plan.prefill_query_lens, torch.int64),
+            (plan.prefill_seq_lens, torch.int64), (plan.prefill_tables, torch.int32)) if tensor is not None])
         step = DecoderStep(tokens=h.shape[0], cos=cos.data_ptr(), sin=sin.data_ptr(), slots=slots.data_ptr())
         if plan.decode_rows is not None:
             step.num_decodes, step.decode_table_stride = plan.decode_rows.shape[0], plan.decode_tables.shape[1]

@@ -19,7 +19,6 @@ import kernels
 from kernels import cpu_native
 from backend.lora.batch import add_lora, lora_batch
 from backend.lora.slots import LoRABatch
-from backend.model import cpu_decoder
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_decoder import CpuDecoder
 from backend.model.cpu_linear import Float32Logits, PackedLinear, native_linear, replace_linears
@@ -268,7 +267,7 @@ class CausalLM(nn.Module):
             layer.self_attn.layer_ops = ops
             layer.mlp.layer_ops = ops
         # With the C ops and our C projections everywhere, the layer loop itself runs in C.
-        self.cpu_decoder = CpuDecoder(self) if cpu_decoder.unsupported_reason(self) is None else None
+        self.cpu_decoder = CpuDecoder.for_model(self)
         return self.fused_layer_ops
 
     @property
