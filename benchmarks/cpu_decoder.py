@@ -5,19 +5,27 @@ decode step (``--batch`` sequences) and a prompt's prefill (one ``--prompt``-tok
 its steps, in an engine of its own).
 
     python -m benchmarks.cpu_decoder                        # SmolLM2 shapes, random weights
+    python -m benchmarks.cpu_decoder --cpu-linear onednn    # projections called back from C
+    python -m benchmarks.cpu_decoder --lora-adapters 4      # decode steps with LoRA adapters
 
-Both run with ``cpu_linear=native`` (the C loop needs our kernel for every projection; ``auto``
-picks oneDNN on some AVX-512 and AMX CPUs).
+``--cpu-linear``: the projections' kernel, ``native`` by default (ours: inside the C call; the
+default ``auto`` picks oneDNN on some AVX-512 and AMX CPUs). With ``onednn`` or ``torch`` the C
+call hands each projection back to Python (backend/model/cpu_decoder.py).
+``--lora-adapters N``: the decode step's sequences use N random rank-16 adapters in turn (every
+projection is then called back, its deltas added there); the prefill row is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import tempfile
+from pathlib import Path
 
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.lora.synthetic import MODULES, model_with_adapters
 from benchmarks.common import alternating_medians
 from benchmarks.decode_breakdown import decoding_engine
 from benchmarks.step_cost import cpu_name
@@ -27,7 +35,7 @@ def alternate(engine: Engine, run_step, rounds: int, steps: int) -> dict[str, fl
     """Median ms of ``run_step()`` with the layers in C and in the Python loop, alternating."""
     model = engine.runner.model
     decoder = model.cpu_decoder
-    assert decoder is not None, "the C decoder does not apply here (cpu_linear=native and the C layer ops needed)"
+    assert decoder is not None, "the C decoder does not apply here (the C layer ops are needed)"
     variants = {"c": lambda: setattr(model, "cpu_decoder", decoder),
                 "loop": lambda: setattr(model, "cpu_decoder", None)}
     try:
@@ -58,23 +66,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--cpu-linear", default="native", choices=["native", "onednn", "torch"])
+    parser.add_argument("--lora-adapters", type=int, default=0)
     args = parser.parse_args(argv)
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads; medians of {args.rounds} rounds, alternating")
+    print(f"projections: cpu_linear={args.cpu_linear}" + (f"; {args.lora_adapters} LoRA adapters (rank 16)"
+                                                            if args.lora_adapters else ""))
     print("| dtype | step | Python loop ms | one C call ms | speed-up |\n|---|---|---|---|---|")
-    for dtype in args.dtypes.split(","):
-        rng = random.Random(0)
-        engine = decoding_engine(args.model, dtype, [rng.randint(64, 192) for _ in range(args.batch)],
-                                 args.load_format, cpu_linear="native")
-        decode = alternate(engine, engine.step, args.rounds, args.steps)
-        print(f"| {dtype} | decode, {args.batch} sequences of 64-192 tokens | {decode['loop']:.1f} | "
-              f"{decode['c']:.1f} | {decode['loop'] / decode['c']:.2f}x |")
-        del engine
-        engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=4, num_kv_blocks=2048,
-                                     enable_prefix_caching=False, itl_target_ms=0.0, load_format=args.load_format,
-                                     cpu_linear="native"))
-        prefill = alternate(engine, prefill_step(engine, args.prompt, rng), max(2, args.rounds // 2), 1)
-        print(f"| {dtype} | prefill of a {args.prompt}-token prompt | {prefill['loop']:.1f} | {prefill['c']:.1f} | "
-              f"{prefill['loop'] / prefill['c']:.2f}x |")
+    with tempfile.TemporaryDirectory(prefix="cpu-decoder-") as tmp:
+        model, lora_names, config = args.model, None, {}
+        if args.lora_adapters:
+            names = [f"adapter-{i}" for i in range(args.lora_adapters)]
+            model = str(model_with_adapters(Path(args.model).resolve(), Path(tmp) / "model",
+                                            {name: (16, 32, MODULES, i) for i, name in enumerate(names)}))
+            lora_names = [names[i % len(names)] for i in range(args.batch)]
+            config = {"max_loras": len(names)}
+        for dtype in args.dtypes.split(","):
+            rng = random.Random(0)
+            engine = decoding_engine(model, dtype, [rng.randint(64, 192) for _ in range(args.batch)],
+                                     args.load_format, lora_names, cpu_linear=args.cpu_linear, **config)
+            decode = alternate(engine, engine.step, args.rounds, args.steps)
+            print(f"| {dtype} | decode, {args.batch} sequences of 64-192 tokens | {decode['loop']:.1f} | "
+                  f"{decode['c']:.1f} | {decode['loop'] / decode['c']:.2f}x |")
+            del engine
+            if args.lora_adapters:
+                continue
+            engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=4, num_kv_blocks=2048,
+                                         enable_prefix_caching=False, itl_target_ms=0.0,
+                                         load_format=args.load_format, cpu_linear=args.cpu_linear))
+            prefill = alternate(engine, prefill_step(engine, args.prompt, rng), max(2, args.rounds // 2), 1)
+            print(f"| {dtype} | prefill of a {args.prompt}-token prompt | {prefill['loop']:.1f} | "
+                  f"{prefill['c']:.1f} | {prefill['loop'] / prefill['c']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -75,23 +75,27 @@ def instrument() -> None:
     Sampler.__call__ = _timed("sampling", Sampler.__call__)
 
 
-def start_decodes(engine: Engine, contexts: list[int], rng: random.Random) -> None:
+def start_decodes(engine: Engine, contexts: list[int], rng: random.Random,
+                  lora_names: list[str] | None = None) -> None:
+    """Sequence i: a random prompt of contexts[i] tokens (through adapter lora_names[i])."""
     for i, context in enumerate(contexts):
         prompt = [rng.randrange(1000, engine.arch.vocab_size) for _ in range(context)]
-        engine.add_request(f"seq-{i}", prompt, SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.0))
+        engine.add_request(f"seq-{i}", prompt, SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.0,
+                                                              lora_name=lora_names[i] if lora_names else None))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     engine.step()
 
 
-def decoding_engine(model: str, dtype: str, contexts: list[int], load_format: str, **config) -> Engine:
+def decoding_engine(model: str, dtype: str, contexts: list[int], load_format: str,
+                    lora_names: list[str] | None = None, **config) -> Engine:
     """An engine decoding len(contexts) greedy sequences, each past a random prompt of that many
-    tokens. A fixed token budget (itl_target_ms=0): only decode steps are measured, so the
-    start-up calibration that sizes prefill chunks would be time spent for nothing. ``config``:
-    more EngineConfig fields."""
+    tokens (and through adapter ``lora_names[i]``). A fixed token budget (itl_target_ms=0): only
+    decode steps are measured, so the start-up calibration that sizes prefill chunks would be
+    time spent for nothing. ``config``: more EngineConfig fields."""
     engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=len(contexts), num_kv_blocks=2048,
                                  enable_prefix_caching=False, itl_target_ms=0.0, load_format=load_format, **config))
-    start_decodes(engine, contexts, random.Random(0))
+    start_decodes(engine, contexts, random.Random(0), lora_names)
     return engine
 
 

@@ -63,6 +63,15 @@ class DecoderStep(ctypes.Structure):
                 ("prefill_query_lens", _P), ("prefill_seq_lens", _P), ("prefill_tables", _P)]
 
 
+# decoder.c's external_projection_t: (layer, projection) -> the output's address, or None (NULL)
+# to stop the step.
+EXTERNAL_PROJECTION = ctypes.CFUNCTYPE(_P, _I64, _I64)
+
+# decoder.c's status codes.
+DECODER_STATUS = {-1: "a kernel's scratch could not be allocated", -2: "an external projection failed",
+                  -3: "a projection has no packed weights and no external callback was given"}
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("LLM_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-engine-kernels")
@@ -118,53 +127,49 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
-def open_library(path: Path) -> ctypes.CDLL:
-    """Load a built library and declare its functions' signatures."""
+def _signatures() -> dict[str, tuple[object, list]]:
+    """Every exported function's (restype, argtypes)."""
+    _F, _INT = ctypes.c_float, ctypes.c_int
+    signatures: dict[str, tuple[object, list]] = {
+        "attention_path": (_INT, [_INT, _I64]),
+        "linear_f32_supported": (_INT, []),
+        "linear_bf16_isa": (_INT, []),
+        "linear_bf16_use_amx": (_INT, [_INT]),
+        "linear_bf16_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
+        "linear_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
+        "linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
+        "decoder_layers": (_INT, [_INT, ctypes.POINTER(DecoderLayerPointers), _I64, ctypes.POINTER(DecoderShape),
+                                  ctypes.POINTER(DecoderStep), _P, _P, EXTERNAL_PROJECTION, _INT, _INT]),
+        "decoder_scratch_layout": (_I64, [_INT, ctypes.POINTER(DecoderShape), _I64, ctypes.POINTER(_I64 * 7)]),
+        "argmax_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _INT]),
+        "decode_attention_bf16_vector_width": (_INT, []),
+        "decode_attention_bf16_dot_product": (_INT, []),
+    }
+    for suffix in LAYER_OPS_SUFFIXES.values():
+        signatures["paged_decode_attention" + suffix] = (
+            _INT, [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _INT])
+        signatures["paged_prefill_attention" + suffix] = (
+            _INT, [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _INT])
+        signatures["add_rms_norm" + suffix] = (None, [_P, _P, _P, _P, _I64, _I64, _F])
+        signatures["rope_and_cache" + suffix] = (None, [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64])
+        signatures["silu_and_mul" + suffix] = (None, [_P, _I64, _I64, _I64, _INT])
+        signatures["lora_apply" + suffix] = (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _INT])
+    return signatures
+
+
+def open_library(path: Path, strict: bool = True) -> ctypes.CDLL:
+    """Load a built library and declare its functions' signatures. ``strict=False``: a function
+    the library lacks is left undeclared (another revision's build, benchmarks/cpu_attention.py
+    --against, older than some of this tree's functions)."""
     library = ctypes.CDLL(str(path))
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-        function = getattr(library, name)
-        function.restype = ctypes.c_int
-        function.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
-                             ctypes.c_int]
-    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16"):
-        function = getattr(library, name)
-        function.restype = ctypes.c_int
-        function.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
-                             ctypes.c_int]
-    for name in ("decode_attention_bf16_vector_width", "decode_attention_bf16_dot_product"):
-        getattr(library, name).restype = ctypes.c_int
-        getattr(library, name).argtypes = []
-    library.attention_path.restype = ctypes.c_int
-    library.attention_path.argtypes = [ctypes.c_int, _I64]
-    library.linear_f32_supported.restype = ctypes.c_int
-    library.linear_f32_supported.argtypes = []
-    library.linear_bf16_isa.restype = ctypes.c_int
-    library.linear_bf16_isa.argtypes = []
-    library.linear_bf16_use_amx.restype = ctypes.c_int
-    library.linear_bf16_use_amx.argtypes = [ctypes.c_int]
-    library.linear_bf16_f32.restype = ctypes.c_int
-    library.linear_bf16_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, ctypes.c_int]
-    library.linear_bf16.restype = ctypes.c_int
-    library.linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
-    library.linear_f32.restype = ctypes.c_int
-    library.linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
-    for suffix in LAYER_OPS_SUFFIXES.values():
-        getattr(library, "add_rms_norm" + suffix).restype = None
-        getattr(library, "add_rms_norm" + suffix).argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float]
-        getattr(library, "rope_and_cache" + suffix).restype = None
-        getattr(library, "rope_and_cache" + suffix).argtypes = [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64,
-                                                                _I64]
-        getattr(library, "silu_and_mul" + suffix).restype = None
-        getattr(library, "silu_and_mul" + suffix).argtypes = [_P, _I64, _I64, _I64, ctypes.c_int]
-    library.decoder_layers.restype = ctypes.c_int
-    library.decoder_layers.argtypes = [ctypes.c_int, ctypes.POINTER(DecoderLayerPointers), _I64,
-                                       ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderStep), _P, ctypes.c_int]
-    library.argmax_rows_f32.restype = None
-    library.argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_int]
-    for suffix in LAYER_OPS_SUFFIXES.values():
-        getattr(library, "lora_apply" + suffix).restype = ctypes.c_int
-        getattr(library, "lora_apply" + suffix).argtypes = [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64,
-                                                            ctypes.c_int]
+    for name, (restype, argtypes) in _signatures().items():
+        try:
+            function = getattr(library, name)
+        except AttributeError:
+            if strict:
+                raise
+            continue
+        function.restype, function.argtypes = restype, argtypes
     return library
 
 

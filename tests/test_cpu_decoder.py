@@ -1,6 +1,8 @@
 """The decoder layers in one C call (backend/model/cpu_decoder.py, kernels/csrc/decoder.c)
 against the Python loop of the same kernels (CausalLM._decoder_fused), its reference: the same
-logits and the same K/V caches, to the bit, for every kind of step."""
+logits and the same K/V caches, to the bit, for every kind of step, with our C projections
+inside the call or other projections (oneDNN's, torch's) called back from it, and with LoRA
+deltas added in the callback."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import contextlib
 import pytest
 import torch
 
-from backend.model import llama
+from backend.model import cpu_decoder, llama
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_decoder import CpuDecoder
-from backend.model.cpu_linear import native_kernel_available
+from backend.model.cpu_linear import native_kernel_available, onednn_packing_available
 from backend.model.llama import AttentionMetadata, CausalLM
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
@@ -26,7 +28,9 @@ STEPS = {
 }
 
 
-def tiny_model(dtype: torch.dtype, qkv_bias: bool) -> CausalLM:
+def tiny_model(dtype: torch.dtype, qkv_bias: bool, linear: str = "native") -> CausalLM:
+    """A 3-layer model with random weights; ``linear``: ``native`` or ``onednn`` (packed for
+    that kernel), or ``torch`` (the ``nn.Linear`` modules as built)."""
     arch = ModelArchitecture(model_type="qwen2" if qkv_bias else "llama", vocab_size=300, hidden_size=96,
                              intermediate_size=160, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
                              rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
@@ -38,7 +42,8 @@ def tiny_model(dtype: torch.dtype, qkv_bias: bool) -> CausalLM:
             param.copy_(torch.randn(param.shape) * (0.2 if not name.endswith("norm.weight") else 1.0))
     model = model.to(dtype=dtype)
     model.inv_freq = model.inv_freq.float()
-    model.pack_for_cpu("native")
+    if linear != "torch":
+        model.pack_for_cpu(linear)
     assert model.use_fused_layer_ops(True) == "c"
     return model
 
@@ -72,15 +77,14 @@ needs_kernel = pytest.mark.skipif(not native_kernel_available(torch.float32),
                                   reason="NOT RUN: our C linear kernel needs AVX2 + FMA, which this CPU lacks")
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
-@pytest.mark.parametrize("step", list(STEPS))
-def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step: str, monkeypatch) -> None:
-    model = tiny_model(dtype, qkv_bias)
+def loop_and_c_results(model: CausalLM, step: str, monkeypatch, lora: object | None = None) -> dict[str, tuple]:
+    """The logits and caches of one step (with ``lora`` as its LoRA batch) through the Python
+    loop and through the C call."""
     decoder = model.cpu_decoder
     assert isinstance(decoder, CpuDecoder)
+    dtype = model.model.embed_tokens.weight.dtype
     meta, tokens = step_metadata(*STEPS[step])
+    meta.lora = lora
     input_ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
     loops = []
     real_loop = CausalLM._decoder_fused
@@ -94,15 +98,63 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
         results[name] = (logits, kv)
     model.cpu_decoder = decoder
     assert loops == [1], "the C run fell back to the loop: the comparison would be of the loop with itself"
+    return results
+
+
+def assert_same_bits(results: dict[str, tuple]) -> None:
     assert torch.equal(results["c"][0], results["loop"][0])
     for (k_c, v_c), (k_loop, v_loop) in zip(results["c"][1], results["loop"][1]):
         assert torch.equal(k_c, k_loop) and torch.equal(v_c, v_loop)
 
 
+LINEARS = ["native", "onednn", "torch"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("linear", LINEARS)
+def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step: str, linear: str,
+                                        monkeypatch) -> None:
+    """Our kernels inside the call (``native``), or each projection called back to its module
+    (``onednn``, ``torch``): the loop's bits either way."""
+    if linear == "onednn" and not onednn_packing_available(dtype):
+        pytest.skip(f"NOT RUN: oneDNN's packed {dtype} weights need a CPU this one is not (AVX-512 for bfloat16)")
+    model = tiny_model(dtype, qkv_bias, linear)
+    assert model.cpu_decoder.external_projections == (0 if linear == "native" else 3 * 4)
+    assert_same_bits(loop_and_c_results(model, step, monkeypatch))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("linear", ["native", "torch"])
+@pytest.mark.parametrize("step", ["mixed", "decodes"])
+def test_lora_deltas_are_added_in_the_callback(dtype: torch.dtype, linear: str, step: str, monkeypatch) -> None:
+    """A step with adapters: every projection is called back and gets its delta there, with the
+    loop's inputs, in the loop's order; the same bits. (A stand-in delta: the adapters' own
+    arithmetic is tests/test_lora.py's, through the engine.)"""
+    model = tiny_model(dtype, False, linear)
+    calls: dict[str, list] = {"loop": [], "c": []}
+
+    def fake_add_lora(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
+        calls["loop" if model.cpu_decoder is None else "c"].append((layer, projection, x.clone()))
+        out += (x[:, :1].float() * 0.25 * (layer + 1) + len(projection)).to(out.dtype)
+
+    monkeypatch.setattr(llama, "lora_batch", lambda batch: contextlib.nullcontext())
+    monkeypatch.setattr(llama, "add_lora", fake_add_lora)
+    monkeypatch.setattr(cpu_decoder, "add_lora", fake_add_lora)
+    results = loop_and_c_results(model, step, monkeypatch, lora=object())
+    assert_same_bits(results)
+    assert [(layer, name) for layer, name, _ in calls["c"]] == [(layer, name) for layer, name, _ in calls["loop"]]
+    assert len(calls["c"]) == 3 * 4
+    assert all(torch.equal(x_c, x_loop) for (_, _, x_c), (_, _, x_loop) in zip(calls["c"], calls["loop"]))
+
+
 @needs_kernel
 def test_c_decoder_runs_the_step(monkeypatch) -> None:
-    """The model takes the C call when it applies (the loop is not entered), and the loop when
-    the step has LoRA adapters (their deltas go between the kernels)."""
+    """The model takes the C call when it applies (the loop is not entered), with or without
+    LoRA adapters in the step."""
     model = tiny_model(torch.float32, False)
     meta, tokens = step_metadata(*STEPS["mixed"])
     input_ids = torch.zeros(tokens, dtype=torch.int64)
@@ -111,22 +163,38 @@ def test_c_decoder_runs_the_step(monkeypatch) -> None:
     monkeypatch.setattr(CausalLM, "_decoder_fused", lambda self, *args: loops.append(1) or real_loop(self, *args))
     with torch.inference_mode():
         model(input_ids, meta, caches(torch.float32))
-        assert loops == []
-        # A step with adapters: the loop (lora_batch / add_lora stubbed: no adapter is loaded here).
+        # A step with adapters (lora_batch / add_lora stubbed: no adapter is loaded here).
         monkeypatch.setattr(llama, "lora_batch", lambda batch: contextlib.nullcontext())
-        monkeypatch.setattr(llama, "add_lora", lambda *args: None)
+        monkeypatch.setattr(cpu_decoder, "add_lora", lambda *args: None)
         meta.lora = object()
         model(input_ids, meta, caches(torch.float32))
-        assert loops == [1]
+    assert loops == []
 
 
 @needs_kernel
-def test_c_decoder_only_where_every_piece_is_a_c_kernel() -> None:
+def test_a_failing_callback_raises_and_the_next_step_runs(monkeypatch) -> None:
+    """An exception in a called-back projection stops the C call and is raised from the step
+    (C sees only a status); the decoder is usable afterwards."""
+    model = tiny_model(torch.float32, False, "torch")
+    meta, tokens = step_metadata(*STEPS["decodes"])
+    input_ids = torch.zeros(tokens, dtype=torch.int64)
+    down = model.model.layers[1].mlp.down_proj
+    monkeypatch.setattr(down, "forward", lambda x: (_ for _ in ()).throw(ValueError("down failed")))
+    with torch.inference_mode(), pytest.raises(ValueError, match="down failed"):
+        model(input_ids, meta, caches(torch.float32))
+    monkeypatch.undo()
+    with torch.inference_mode():
+        logits = model(input_ids, meta, caches(torch.float32))
+    assert torch.isfinite(logits).all()
+
+
+@needs_kernel
+def test_c_decoder_wherever_the_c_layer_ops_run() -> None:
     model = tiny_model(torch.float32, False)
-    assert model.cpu_decoder is not None
+    assert model.cpu_decoder is not None and model.cpu_decoder.external_projections == 0
     model.use_fused_layer_ops(False)
     assert model.cpu_decoder is None                  # torch's small ops: the torch loop
     onednn = CausalLM(model.arch, attention_backend="cpu")
     onednn.pack_for_cpu("onednn")
     onednn.use_fused_layer_ops(True)
-    assert onednn.fused_layer_ops == "c" and onednn.cpu_decoder is None   # oneDNN projections
+    assert onednn.fused_layer_ops == "c" and onednn.cpu_decoder.external_projections == 3 * 4

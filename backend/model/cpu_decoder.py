@@ -5,29 +5,45 @@ is the reference, and this gives its bits (tests/test_cpu_decoder.py). What it s
 Python between the kernels: ~250 us a layer, 12% of the layers' time in a 16-sequence bfloat16
 decode step on the 2-core Zen 3 (docs/benchmarks.md, "The decoder layers in one C call").
 
-It applies where every piece of a layer is one of our C kernels: the fused C layer ops, our
-linear kernel for every projection (``cpu_linear=native``: ``NativeLinear`` in float32,
-``NativeBf16Linear`` in bfloat16), the C attention (caches of the model's dtype), no q/k norm;
-and, step by step, no LoRA adapter in the batch (``CausalLM._forward`` falls back to the loop).
+It applies wherever the fused C layer ops do (the C attention, float32 or bfloat16, no q/k
+norm). A projection that is our C kernel (``NativeLinear`` in float32, ``NativeBf16Linear`` in
+bfloat16) runs inside the C call; any other (oneDNN's ``PackedLinear``, ``TorchLinear``,
+``Int8Linear``) is called back from C: its input is in the C call's scratch, and C goes on
+with the module's own output. In a step with LoRA adapters every projection is called back,
+and its adapters' deltas added there.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from backend.lora.batch import add_lora
 from backend.model.cpu_linear import NativeBf16Linear, NativeLinear
 from kernels import cpu_native
-from kernels.cpu_native import DecoderLayerPointers, DecoderShape, DecoderStep
+from kernels.cpu_native import EXTERNAL_PROJECTION, DecoderLayerPointers, DecoderShape, DecoderStep
 from kernels.cpu_attention import CpuAttentionPlan
 
 if TYPE_CHECKING:
     from backend.model.llama import AttentionMetadata, CausalLM
 
-# The projection module each dtype's layers must hold.
+# The projection module of each dtype that runs inside the C call.
 LINEAR_TYPES = {torch.float32: NativeLinear, torch.bfloat16: NativeBf16Linear}
+
+
+class Projection(enum.IntEnum):
+    """decoder.c's projection ids; the names are add_lora's."""
+    qkv = 0
+    o = 1
+    gate_up = 2
+    down = 3
+
+
+PROJECTIONS = tuple(Projection)     # by id, for the callback (indexing is cheaper than the enum's lookup)
 
 
 def unsupported_reason(model: CausalLM) -> str | None:
@@ -37,18 +53,19 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return "the fused C layer ops are off (or q/k norms, which they do not cover)"
     if dtype not in LINEAR_TYPES:
         return f"no C decoder for {dtype}"
-    for i, layer in enumerate(model.model.layers):
-        for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                             (layer.mlp, "down_proj")):
-            if type(getattr(module, name)) is not LINEAR_TYPES[dtype]:
-                return f"layer {i}'s {name} is {type(getattr(module, name)).__name__}, not our C kernel"
     return None
+
+
+def layer_projections(layer: nn.Module) -> dict[Projection, nn.Module]:
+    return {Projection.qkv: layer.self_attn.qkv_proj, Projection.o: layer.self_attn.o_proj,
+            Projection.gate_up: layer.mlp.gate_up_proj, Projection.down: layer.mlp.down_proj}
 
 
 class CpuDecoder:
     """Runs ``CausalLM._decoder_fused``'s work as kernels/csrc/decoder.c. Holds the tensors whose
     addresses it hands to C (the packed weights, norms and biases as the model held them when
-    it was built, the caches of the last step), so none is freed while C may read it."""
+    it was built, the caches of the last step, the scratch), so none is freed while C may read
+    it."""
 
     @classmethod
     def for_model(cls, model: CausalLM) -> CpuDecoder | None:
@@ -56,7 +73,7 @@ class CpuDecoder:
         return cls(model) if unsupported_reason(model) is None else None
 
     def __init__(self, model: CausalLM) -> None:
-        """Use ``for_model``: this assumes every piece of the layers is a C kernel."""
+        """Use ``for_model``: this assumes the fused C layer ops apply."""
         arch, layers = model.arch, model.model.layers
         self.dtype = model.model.embed_tokens.weight.dtype
         self.is_bf16 = int(self.dtype == torch.bfloat16)
@@ -64,15 +81,31 @@ class CpuDecoder:
         self.shape = DecoderShape(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                   arch.intermediate_size, 0, arch.rms_norm_eps, attention.scale)
         self.layers = (DecoderLayerPointers * len(layers))()
+        self.projections = [layer_projections(layer) for layer in layers]
         self._held: list[torch.Tensor] = []
-        for entry, layer in zip(self.layers, layers):
+        self.external_projections = 0      # how many run outside C (called back) in a step without LoRA
+        for entry, layer, projections in zip(self.layers, layers, self.projections):
             entry.input_norm = self._hold(layer.input_layernorm.weight.detach())
             entry.post_norm = self._hold(layer.post_attention_layernorm.weight.detach())
-            for field, module in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
-                                  ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-                setattr(entry, field, self._hold(module.packed_weight))
-                setattr(entry, field + "_bias", None if module.bias is None else self._hold(module.bias))
+            for which, module in projections.items():
+                # Not our kernel: a NULL pointer, and C calls back.
+                if type(module) is LINEAR_TYPES[self.dtype]:
+                    setattr(entry, which.name, self._hold(module.packed_weight))
+                    setattr(entry, which.name + "_bias", None if module.bias is None else self._hold(module.bias))
+                else:
+                    self.external_projections += 1
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._offsets = (ctypes.c_int64 * 7)()
+        # Per step, for the callback: each projection's input view of the scratch and output
+        # view (where a module's output that C cannot read as it is gets copied).
+        self._views: dict[Projection, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The last output of each called-back projection: C reads it after the callback returns.
+        self._outputs: dict[Projection, torch.Tensor] = {}
+        self._gate_up_layer = -1           # the layer whose gate|up was last called back
+        self._with_lora = False
+        self._error: BaseException | None = None
+        self._callback = EXTERNAL_PROJECTION(self._run_projection)   # kept: C holds its address
 
     def _hold(self, tensor: torch.Tensor) -> int:
         if tensor.dtype not in (self.dtype, torch.float32) or not tensor.is_contiguous():
@@ -98,11 +131,13 @@ class CpuDecoder:
         return True
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: CpuAttentionPlan | None) -> bool:
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: CpuAttentionPlan | None,
+            lora: object | None = None) -> bool:
         """Every layer over the step's residual stream ``h`` [tokens, hidden] (in place), writing
-        the step's K/V to the caches: what ``CausalLM._decoder_fused`` does. False, with nothing
-        done, where this step cannot run here (caches the C attention does not read, tensors of
-        another layout): the caller runs the loop."""
+        the step's K/V to the caches: what ``CausalLM._decoder_fused`` does. ``lora``: the step's
+        LoRA batch (active, as ``lora_batch`` makes it, while this runs), or None. False, with
+        nothing done, where this step cannot run here (caches the C attention does not read,
+        tensors of another layout): the caller runs the loop."""
         slots = meta.slot_mapping
         if not isinstance(plan, CpuAttentionPlan) or not self._bind_caches(kv_caches) or any(
                 tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu"
@@ -125,8 +160,64 @@ class CpuDecoder:
                                                             plan.prefill_query_lens.data_ptr())
             step.prefill_seq_lens, step.prefill_tables = (plan.prefill_seq_lens.data_ptr(),
                                                           plan.prefill_tables.data_ptr())
+        all_external = lora is not None
+        external = self.external_projections > 0 or all_external
+        scratch = self._scratch_for(h.shape[0], external)
+        self._with_lora, self._error, self._gate_up_layer = all_external, None, -1
         status = cpu_native.load().decoder_layers(self.is_bf16, self.layers, len(self.layers), ctypes.byref(self.shape),
-                                                  ctypes.byref(step), h.data_ptr(), torch.get_num_threads())
+                                                  ctypes.byref(step), h.data_ptr(), scratch.data_ptr(),
+                                                  self._callback, int(all_external), torch.get_num_threads())
+        self._views, self._outputs = {}, {}
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         if status != 0:
-            raise MemoryError("decoder_layers: scratch allocation failed")
+            raise RuntimeError(f"decoder_layers: {cpu_native.DECODER_STATUS.get(status, status)}")
         return True
+
+    def _scratch_for(self, tokens: int, external: bool) -> torch.Tensor:
+        """The step's activations (decoder.c's decoder_scratch_layout), grown as steps need;
+        with external projections, their input and output views of it (``self._views``)."""
+        total = cpu_native.load().decoder_scratch_layout(self.is_bf16, ctypes.byref(self.shape), tokens,
+                                                         ctypes.byref(self._offsets))
+        if self._scratch.numel() < total:
+            self._scratch = torch.empty(total, dtype=torch.uint8)   # torch's CPU allocations: 64-byte aligned
+        if external:
+            def region(index: int, width: int) -> torch.Tensor:
+                start = self._offsets[index]
+                return self._scratch[start:start + tokens * width * self.dtype.itemsize].view(self.dtype).view(
+                    tokens, width)
+            shape = self.shape
+            q_size = shape.num_heads * shape.head_dim
+            x, qkv = region(0, shape.hidden), region(1, q_size + 2 * shape.num_kv_heads * shape.head_dim)
+            attn, proj, gate_up = region(3, q_size), region(4, shape.hidden), region(5, 2 * shape.intermediate)
+            self._views = {Projection.qkv: (x, qkv), Projection.o: (attn, proj), Projection.gate_up: (x, gate_up),
+                           Projection.down: (gate_up[:, :shape.intermediate], proj)}
+        return self._scratch
+
+    def _run_projection(self, layer: int, projection: int) -> int | None:
+        """decoder.c's callback: one projection through its module (+ its LoRA deltas, in place
+        on the module's output, as the loop adds them). Returns the output's address, kept
+        referenced until the next call for this projection; an exception is kept for ``run`` to
+        raise (C sees NULL)."""
+        try:
+            which = PROJECTIONS[projection]
+            source, target = self._views[which]
+            if which is Projection.down and self._gate_up_layer == layer:
+                # This layer's gate|up came from a module: SiLU(gate) * up is in its output.
+                source = self._outputs[Projection.gate_up][:, :self.shape.intermediate]
+            out = self.projections[layer][which](source)
+            if self._with_lora:
+                add_lora(out, source, layer, which.name)
+            if out.dtype != target.dtype or out.shape != target.shape:
+                raise TypeError(f"layer {layer}'s {which.name} gave {out.dtype} {tuple(out.shape)}, "
+                                f"expected {target.dtype} {tuple(target.shape)}")
+            if not out.is_contiguous():
+                out = target.copy_(out)
+            self._outputs[which] = out
+            if which is Projection.gate_up:
+                self._gate_up_layer = layer
+            return out.data_ptr()
+        except BaseException as error:   # noqa: BLE001 - raised again by run() once C has returned
+            self._error = error
+            return None

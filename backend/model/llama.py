@@ -210,10 +210,10 @@ class CausalLM(nn.Module):
         plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
                                       kv_caches[0][0].shape[1], self.attention_backend)
         if self.layer_ops is not None:
-            # All layers in one C call where it applies (no LoRA in the batch: its deltas are
-            # added between the kernels); the Python loop of the same kernels otherwise.
-            if not (self.cpu_decoder is not None and meta.lora is None
-                    and self.cpu_decoder.run(h, cos, sin, meta, kv_caches, plan)):
+            # All layers in one C call where it applies; the Python loop of the same kernels
+            # otherwise.
+            if not (self.cpu_decoder is not None
+                    and self.cpu_decoder.run(h, cos, sin, meta, kv_caches, plan, meta.lora)):
                 self._decoder_fused(h, cos, sin, meta, kv_caches, plan)
         else:
             for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
@@ -249,9 +249,9 @@ class CausalLM(nn.Module):
         with its product where they apply (no q/k norm): in C (kernels/csrc/layer_ops.c) with the
         ``cpu`` attention backend, in float32 or bfloat16, the C library built; in Triton
         (kernels/triton_layer_ops.py) with the ``triton`` one. Returns which (``"c"``, ``"triton"``)
-        or None: the torch ops above run, the reference of both. With the C ops and our C kernel
-        for every projection, the layer loop itself runs in C too (``self.cpu_decoder``,
-        backend/model/cpu_decoder.py)."""
+        or None: the torch ops above run, the reference of both. With the C ops, the layer loop
+        itself runs in C too (``self.cpu_decoder``, backend/model/cpu_decoder.py; projections
+        other than our C kernel are called back from it)."""
         dtype = self.model.embed_tokens.weight.dtype
         ops = None
         if enabled and not self.arch.qk_norm:
@@ -266,7 +266,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.layer_ops = ops
             layer.mlp.layer_ops = ops
-        # With the C ops and our C projections everywhere, the layer loop itself runs in C.
+        # With the C ops, the layer loop itself runs in C.
         self.cpu_decoder = CpuDecoder.for_model(self)
         return self.fused_layer_ops
 

@@ -113,8 +113,7 @@ class ModelRunner:
                                 self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops)
         logger.info("fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): %s%s",
                     self.model.fused_layer_ops or "off (torch ops)",
-                    "; the decoder layers run as one C call a step (no LoRA in the batch)"
-                    if self.model.cpu_decoder is not None else "")
+                    self._cpu_decoder_note())
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens
@@ -151,6 +150,16 @@ class ModelRunner:
         if on_cuda and not config.enforce_eager and self.attention_backend == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, capture_sizes(self.max_seqs),
                                               self.max_model_len, capture=True, lora=self.lora_slots)
+
+    def _cpu_decoder_note(self) -> str:
+        """The start-up log's word on the C layer loop: whether it runs, and which projections
+        it calls back (backend/model/cpu_decoder.py)."""
+        decoder = self.model.cpu_decoder
+        if decoder is None:
+            return ""
+        called_back = decoder.external_projections
+        return ("; the decoder layers run as one C call a step"
+                + (f" ({called_back} projections called back to their modules)" if called_back else ""))
 
     def _make_lora_slots(self) -> LoRASlots:
         backend = LoRABackend.for_attention_backend(self.attention_backend)

@@ -13,6 +13,12 @@
  *   gate|up = x Wgu^T; gate = SiLU(gate) * up; m = gate Wdown^T; h += m, x = RMSNorm(h) with the
  *   next layer's weight (after the last layer h += m only).
  * The first layer's input norm runs first. h: the residual stream [tokens, hidden], in place.
+ *
+ * A projection without packed weights (oneDNN's, torch's or int8's on the Python side; or, in a
+ * step with LoRA adapters, every projection) is handed back to the caller: ``external`` reads
+ * the projection's input from the scratch (the layout is decoder_scratch_layout's; the down
+ * projection's, from an external gate|up's own output) and returns where its output is, which
+ * the rest of the layer then reads, as the Python loop reads the module's output.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -84,10 +90,31 @@ typedef struct {
     const int32_t *prefill_tables;
 } decoder_step_t;
 
+/* Which projection an external call is for (backend/model/cpu_decoder.py: Projection). */
+enum { PROJECTION_QKV, PROJECTION_O, PROJECTION_GATE_UP, PROJECTION_DOWN };
+
+/* Runs projection ``projection`` of layer ``layer`` outside C, its input read from the scratch.
+ * Returns where its output is (contiguous [tokens, n], the model's dtype; valid until the next
+ * call for the same projection: the caller keeps it), or NULL to stop the step. */
+typedef void *(*external_projection_t)(int64_t layer, int64_t projection);
+
+/* Status codes of decoder_layers. */
+enum { DECODER_OK = 0, DECODER_NO_MEMORY = -1, DECODER_EXTERNAL_FAILED = -2, DECODER_NO_EXTERNAL = -3 };
+
+/* y = x W^T (+ bias) into ``*y`` (the scratch) with our kernel; without packed weights, by
+ * ``external``, whose output ``*y`` then points to. */
 static int project(int is_bf16, const void *x, int64_t m, int64_t k, int64_t ldx, const void *packed, int64_t n,
-                   const float *bias, void *y, int num_threads) {
-    return is_bf16 ? linear_bf16(x, m, k, ldx, packed, n, bias, y, num_threads)
-                   : linear_f32(x, m, k, ldx, packed, n, bias, y, num_threads);
+                   const float *bias, void **y, int num_threads, external_projection_t external, int64_t layer,
+                   int projection) {
+    if (packed == NULL) {
+        if (external == NULL) return DECODER_NO_EXTERNAL;
+        void *out = external(layer, projection);
+        if (out == NULL) return DECODER_EXTERNAL_FAILED;
+        *y = out;
+        return DECODER_OK;
+    }
+    return is_bf16 ? linear_bf16(x, m, k, ldx, packed, n, bias, *y, num_threads)
+                   : linear_f32(x, m, k, ldx, packed, n, bias, *y, num_threads);
 }
 
 static void add_rms_norm(int is_bf16, void *h, const void *delta, const void *weight, void *x, int64_t rows,
@@ -137,54 +164,71 @@ static void add_in_place(int is_bf16, void *h, const void *m, int64_t n) {
     }
 }
 
-/* Returns 0, or -1 when a kernel's scratch (or this function's) could not be allocated. */
+/* The activations of one layer, reused by every layer, in the caller's scratch: x (normed
+ * input), qkv, q (contiguous), the attention output, a projection's output, gate|up. Writes
+ * the byte offset of each and, last, the total (offsets[0..6]). Each starts on a 64-byte
+ * boundary, as torch's allocations (the Python loop's) do: the same vector loop peeling, so the
+ * same summation order, and no vector split over two cache lines. */
+int64_t decoder_scratch_layout(int is_bf16, const decoder_shape_t *s, int64_t tokens, int64_t *offsets) {
+    const int64_t element = is_bf16 ? 2 : 4;
+    const int64_t q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+    const int64_t sizes[6] = {s->hidden, qkv_size, q_size, q_size, s->hidden, 2 * s->intermediate};
+    offsets[0] = 0;
+    for (int i = 0; i < 6; ++i) offsets[i + 1] = offsets[i] + (sizes[i] * tokens * element + 63) / 64 * 64;
+    return offsets[6];
+}
+
+/* ``scratch``: 64-byte aligned, decoder_scratch_layout's total for this step's tokens.
+ * ``all_external``: every projection goes to ``external`` (a step with LoRA adapters, whose
+ * deltas the caller adds). Returns DECODER_OK, DECODER_NO_MEMORY when a kernel's scratch could
+ * not be allocated, DECODER_EXTERNAL_FAILED when ``external`` said so, DECODER_NO_EXTERNAL when
+ * a projection has no packed weights and no ``external`` was given. */
 int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layers, const decoder_shape_t *s,
-                   const decoder_step_t *step, void *h, int num_threads) {
+                   const decoder_step_t *step, void *h, void *scratch_memory, external_projection_t external,
+                   int all_external, int num_threads) {
     const int64_t t = step->tokens, element = is_bf16 ? 2 : 4;
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
-    if (t == 0 || num_layers == 0) return 0;
-    /* Activations of one layer, reused by every layer: x (normed input), qkv, q (contiguous),
-     * the attention output, a projection's output, gate|up. Each starts on a 64-byte boundary,
-     * as torch's allocations (the Python loop's) do: the same vector loop peeling, so the same
-     * summation order, and no vector split over two cache lines. */
-    const int64_t sizes[6] = {s->hidden, qkv_size, q_size, q_size, s->hidden, 2 * inter};
-    int64_t offsets[7] = {0};
-    for (int i = 0; i < 6; ++i) offsets[i + 1] = offsets[i] + (sizes[i] * t * element + 63) / 64 * 64;
-    char *scratch = aligned_alloc(64, (size_t)offsets[6]);
-    if (scratch == NULL) return -1;
-    char *x = scratch + offsets[0], *qkv = scratch + offsets[1], *q = scratch + offsets[2];
-    char *attn = scratch + offsets[3], *proj = scratch + offsets[4], *gate_up = scratch + offsets[5];
+    if (t == 0 || num_layers == 0) return DECODER_OK;
+    int64_t offsets[7];
+    decoder_scratch_layout(is_bf16, s, t, offsets);
+    char *scratch = scratch_memory;
+    char *x = scratch + offsets[0], *qkv_scratch = scratch + offsets[1], *q = scratch + offsets[2];
+    char *attn = scratch + offsets[3], *proj_scratch = scratch + offsets[4], *gate_up_scratch = scratch + offsets[5];
     int status = 0;
     add_rms_norm(is_bf16, h, NULL, layers[0].input_norm, x, t, s->hidden, s->eps);
     for (int64_t i = 0; i < num_layers && status == 0; ++i) {
         const decoder_layer_t *layer = &layers[i];
-        status = project(is_bf16, x, t, s->hidden, s->hidden, layer->qkv, qkv_size, layer->qkv_bias, qkv, num_threads);
+        /* Where each projection's output is: the scratch, or an external projection's own. */
+        void *qkv = qkv_scratch, *proj = proj_scratch, *gate_up = gate_up_scratch;
+        status = project(is_bf16, x, t, s->hidden, s->hidden, all_external ? NULL : layer->qkv, qkv_size,
+                         layer->qkv_bias, &qkv, num_threads, external, i, PROJECTION_QKV);
         if (status != 0) break;
         if (is_bf16)
-            rope_and_cache_bf16((bf16_t *)qkv, qkv_size, step->cos, step->sin, step->slots, layer->key_cache,
+            rope_and_cache_bf16(qkv, qkv_size, step->cos, step->sin, step->slots, layer->key_cache,
                                 layer->value_cache, t, s->num_heads, s->num_kv_heads, s->head_dim);
         else
-            rope_and_cache_f32((float *)qkv, qkv_size, step->cos, step->sin, step->slots, layer->key_cache,
+            rope_and_cache_f32(qkv, qkv_size, step->cos, step->sin, step->slots, layer->key_cache,
                                layer->value_cache, t, s->num_heads, s->num_kv_heads, s->head_dim);
         for (int64_t r = 0; r < t; ++r)
-            memcpy(q + r * q_size * element, qkv + r * qkv_size * element, (size_t)(q_size * element));
+            memcpy(q + r * q_size * element, (char *)qkv + r * qkv_size * element, (size_t)(q_size * element));
         status = attend(is_bf16, s, step, layer, q, attn, num_threads);
         if (status != 0) break;
-        status = project(is_bf16, attn, t, q_size, q_size, layer->o, s->hidden, layer->o_bias, proj, num_threads);
+        status = project(is_bf16, attn, t, q_size, q_size, all_external ? NULL : layer->o, s->hidden, layer->o_bias,
+                         &proj, num_threads, external, i, PROJECTION_O);
         if (status != 0) break;
         add_rms_norm(is_bf16, h, proj, layer->post_norm, x, t, s->hidden, s->eps);
-        status = project(is_bf16, x, t, s->hidden, s->hidden, layer->gate_up, 2 * inter, layer->gate_up_bias, gate_up,
-                         num_threads);
+        status = project(is_bf16, x, t, s->hidden, s->hidden, all_external ? NULL : layer->gate_up, 2 * inter,
+                         layer->gate_up_bias, &gate_up, num_threads, external, i, PROJECTION_GATE_UP);
         if (status != 0) break;
-        if (is_bf16) silu_and_mul_bf16((bf16_t *)gate_up, t, inter, 2 * inter, num_threads);
-        else silu_and_mul_f32((float *)gate_up, t, inter, 2 * inter, num_threads);
-        status = project(is_bf16, gate_up, t, inter, 2 * inter, layer->down, s->hidden, layer->down_bias, proj,
-                         num_threads);
+        if (is_bf16) silu_and_mul_bf16(gate_up, t, inter, 2 * inter, num_threads);
+        else silu_and_mul_f32(gate_up, t, inter, 2 * inter, num_threads);
+        proj = proj_scratch;
+        status = project(is_bf16, gate_up, t, inter, 2 * inter, all_external ? NULL : layer->down, s->hidden,
+                         layer->down_bias, &proj, num_threads, external, i, PROJECTION_DOWN);
         if (status != 0) break;
         if (i + 1 < num_layers) add_rms_norm(is_bf16, h, proj, layers[i + 1].input_norm, x, t, s->hidden, s->eps);
         else add_in_place(is_bf16, h, proj, t * s->hidden);
     }
-    free(scratch);
     return status;
 }
