@@ -26,6 +26,7 @@ Scores and softmax are float32 whatever the cache dtype, as in the reference.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,44 +45,80 @@ class PrefillSpan:
 
 
 @dataclass
-class CpuAttentionPlan:
-    """Gather indices of one step, shared by every layer."""
-    decode_rows: torch.Tensor | None     # [num_decodes] query rows of one-token sequences
+class TorchAttentionPlan:
+    """The gather indices of torch's path (the fallback, and the torch K/V write)."""
     decode_slots: torch.Tensor | None    # [num_decodes * max_len] slots, row-major by sequence
     decode_mask: torch.Tensor | None     # [num_decodes, 1, 1, max_len] bool; None when no padding
     decode_max_len: int
     decodes_are_all_rows: bool           # every query row is a decode row, in order
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64 (C kernel)
-    decode_tables: torch.Tensor | None    # [num_decodes, max_blocks] int32, contiguous (C kernel)
     prefills: list[PrefillSpan]
-    prefill_starts: torch.Tensor | None  # [num_prefills] int64: first query row of each (C kernel)
-    prefill_query_lens: torch.Tensor | None   # [num_prefills] int64
-    prefill_seq_lens: torch.Tensor | None     # [num_prefills] int64
-    prefill_tables: torch.Tensor | None       # [num_prefills, max_blocks] int32, contiguous
     write_rows: torch.Tensor | None      # rows whose K/V are written (None: all rows)
     write_slots: torch.Tensor            # their slots
 
 
+@dataclass
+class CpuAttentionPlan:
+    """One step's attention indices, shared by every layer: what the C kernels read, built
+    eagerly; torch's gather indices (``torch_plan``) only when a layer takes torch's path, since
+    with the C kernels nothing reads them (they cost ~0.1-0.5 ms a step to build)."""
+    decode_rows: torch.Tensor | None     # [num_decodes] query rows of one-token sequences
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
+    decode_tables: torch.Tensor | None    # [num_decodes, max_blocks] int32, contiguous
+    prefill_starts: torch.Tensor | None  # [num_prefills] int64: first query row of each
+    prefill_query_lens: torch.Tensor | None   # [num_prefills] int64
+    prefill_seq_lens: torch.Tensor | None     # [num_prefills] int64
+    prefill_tables: torch.Tensor | None       # [num_prefills, max_blocks] int32, contiguous
+    # The step's metadata as torch_plan needs it.
+    starts: torch.Tensor                 # [num_seqs + 1] int64 query_start_loc
+    seq_lens: torch.Tensor               # [num_seqs] int64
+    block_tables: torch.Tensor           # [num_seqs, max_blocks] int64
+    slot_mapping: torch.Tensor
+    block_size: int
+
+    @functools.cached_property
+    def torch_plan(self) -> TorchAttentionPlan:
+        return plan_torch_attention(self)
+
+
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                        slot_mapping: torch.Tensor, block_size: int) -> CpuAttentionPlan:
-    """Derive the step's gather indices from its metadata (host tensors; one pass)."""
+    """Derive the step's C kernel indices from its metadata (host tensors; one pass)."""
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
-    tables = block_tables.to("cpu", torch.int64)
+    query_lens = starts[1:] - starts[:-1]
+    decode_rows = decode_lens = decode_tables = None
+    decode_seqs = (query_lens == 1).nonzero().squeeze(1)
+    if decode_seqs.numel():
+        decode_lens = lens[decode_seqs]
+        decode_rows = starts[decode_seqs]
+        decode_tables = block_tables.index_select(0, decode_seqs).to("cpu", torch.int32).contiguous()
+    prefill_starts = prefill_query_lens = prefill_seq_lens = prefill_tables = None
+    prefill_seqs = (query_lens > 1).nonzero().squeeze(1)
+    if prefill_seqs.numel():
+        prefill_starts, prefill_query_lens = starts[prefill_seqs], query_lens[prefill_seqs]
+        prefill_seq_lens = lens[prefill_seqs]
+        prefill_tables = block_tables.index_select(0, prefill_seqs).to("cpu", torch.int32).contiguous()
+    return CpuAttentionPlan(decode_rows, decode_lens, decode_tables, prefill_starts, prefill_query_lens,
+                            prefill_seq_lens, prefill_tables, starts, lens, block_tables.to("cpu", torch.int64),
+                            slot_mapping, block_size)
+
+
+def plan_torch_attention(plan: CpuAttentionPlan) -> TorchAttentionPlan:
+    """torch's gather indices for ``plan``'s step."""
+    starts, lens, tables, block_size = plan.starts, plan.seq_lens, plan.block_tables, plan.block_size
     query_lens = starts[1:] - starts[:-1]
     num_tokens = int(starts[-1])
-
-    valid = slot_mapping >= 0
+    valid = plan.slot_mapping >= 0
     all_valid = bool(valid.all())
     write_rows = None if all_valid else valid.nonzero().squeeze(1)
-    write_slots = slot_mapping.long() if all_valid else slot_mapping[valid].long()
+    write_slots = plan.slot_mapping.long() if all_valid else plan.slot_mapping[valid].long()
 
-    decode_seqs = (query_lens == 1).nonzero().squeeze(1)
-    decode_rows = decode_slots = decode_mask = decode_lens = decode_tables = None
+    decode_slots = decode_mask = None
     decode_max_len = 0
-    num_decodes = decode_seqs.numel()
+    num_decodes = 0 if plan.decode_rows is None else plan.decode_rows.numel()
     if num_decodes:
-        decode_lens = lens[decode_seqs]
+        decode_seqs = (query_lens == 1).nonzero().squeeze(1)
+        decode_lens = plan.decode_seq_lens
         decode_max_len = int(decode_lens.max())
         positions = torch.arange(decode_max_len).unsqueeze(0).expand(num_decodes, -1)
         in_range = positions < decode_lens.unsqueeze(1)
@@ -90,18 +127,10 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         blocks = tables[decode_seqs].gather(1, positions // block_size)
         decode_slots = (blocks * block_size + positions % block_size).reshape(-1)
         decode_mask = None if bool(in_range.all()) else in_range.view(num_decodes, 1, 1, decode_max_len)
-        decode_rows = starts[decode_seqs]
-        decode_tables = block_tables.index_select(0, decode_seqs).to("cpu", torch.int32).contiguous()
     decodes_are_all_rows = num_decodes == num_tokens == query_lens.numel()
 
     prefills: list[PrefillSpan] = []
-    prefill_seqs = (query_lens > 1).nonzero().squeeze(1)
-    prefill_starts = prefill_query_lens = prefill_seq_lens = prefill_tables = None
-    if prefill_seqs.numel():
-        prefill_starts, prefill_query_lens = starts[prefill_seqs], query_lens[prefill_seqs]
-        prefill_seq_lens = lens[prefill_seqs]
-        prefill_tables = block_tables.index_select(0, prefill_seqs).to("cpu", torch.int32).contiguous()
-    for seq in prefill_seqs.tolist():
+    for seq in (query_lens > 1).nonzero().squeeze(1).tolist():
         q_start, q_end, seq_len = int(starts[seq]), int(starts[seq + 1]), int(lens[seq])
         positions = torch.arange(seq_len)
         slots = tables[seq, positions // block_size] * block_size + positions % block_size
@@ -109,19 +138,20 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         context_len = seq_len - (q_end - q_start)
         mask = positions.unsqueeze(0) <= (torch.arange(q_end - q_start) + context_len).unsqueeze(1)
         prefills.append(PrefillSpan(q_start, q_end, slots, mask))
-    return CpuAttentionPlan(decode_rows, decode_slots, decode_mask, decode_max_len,
-                            decodes_are_all_rows, decode_lens, decode_tables, prefills, prefill_starts,
-                            prefill_query_lens, prefill_seq_lens, prefill_tables, write_rows, write_slots)
+    return TorchAttentionPlan(decode_slots, decode_mask, decode_max_len, decodes_are_all_rows, prefills,
+                              write_rows, write_slots)
 
 
 def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, plan: CpuAttentionPlan) -> None:
     """Write new K/V into their slots with one indexed copy per tensor."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    if plan.write_rows is not None:
-        key, value = key[plan.write_rows], value[plan.write_rows]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.write_slots, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.write_slots, value.to(value_cache.dtype))
+    torch_plan = plan.torch_plan
+    if torch_plan.write_rows is not None:
+        key, value = key[torch_plan.write_rows], value[torch_plan.write_rows]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, torch_plan.write_slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, torch_plan.write_slots,
+                                                             value.to(value_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int, length: int) -> torch.Tensor:
@@ -146,14 +176,16 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                                               plan.decode_tables, key_cache, value_cache, scale)
         else:
             _decode_attention_torch(query, key_cache, value_cache, scale, plan, out)
-    if plan.prefills and native:
+    if plan.prefill_starts is None:
+        return out
+    if native:
         cpu_native.paged_prefill_attention(query.contiguous(), out, plan.prefill_starts, plan.prefill_query_lens,
                                            plan.prefill_seq_lens, plan.prefill_tables, key_cache, value_cache, scale)
         return out
     # float32 whatever the cache dtype: torch's CPU flash attention would take bfloat16 as it
     # is (no widened copies, 13% faster for a 512-token prompt), but it rounds the softmax
     # probabilities to bfloat16 before the weighted sum (2% of outputs off by 1-2 units).
-    for span in plan.prefills:
+    for span in plan.torch_plan.prefills:
         seq_len = span.slots.numel()
         q = query[span.q_start:span.q_end].float().transpose(0, 1).unsqueeze(0)   # [1, heads, n, head_dim]
         k = _gather(key_cache, span.slots, 1, seq_len)
@@ -169,10 +201,11 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
                             plan: CpuAttentionPlan, out: torch.Tensor) -> None:
     """All decode rows as one padded SDPA over gathered K/V (any dtype)."""
-    num_decodes, length = plan.decode_rows.numel(), plan.decode_max_len
-    q = query if plan.decodes_are_all_rows else query.index_select(0, plan.decode_rows)
+    torch_plan = plan.torch_plan
+    num_decodes, length = plan.decode_rows.numel(), torch_plan.decode_max_len
+    q = query if torch_plan.decodes_are_all_rows else query.index_select(0, plan.decode_rows)
     q = q.float().unsqueeze(2)                                      # [D, num_heads, 1, head_dim]
-    k = _gather(key_cache, plan.decode_slots, num_decodes, length)   # [D, num_kv_heads, L, head_dim]
-    v = _gather(value_cache, plan.decode_slots, num_decodes, length)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
+    k = _gather(key_cache, torch_plan.decode_slots, num_decodes, length)   # [D, num_kv_heads, L, head_dim]
+    v = _gather(value_cache, torch_plan.decode_slots, num_decodes, length)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=torch_plan.decode_mask, scale=scale, enable_gqa=True)
     out.index_copy_(0, plan.decode_rows, o.squeeze(2).to(query.dtype))

@@ -416,7 +416,7 @@ def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: to
     expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
                                          batch.seq_lens, batch.block_tables, scale)
     plan = plan_for(batch)
-    prefill_rows = torch.cat([torch.arange(span.q_start, span.q_end) for span in plan.prefills])
+    prefill_rows = torch.cat([torch.arange(span.q_start, span.q_end) for span in plan.torch_plan.prefills])
     for threads in (1, 3):
         torch.set_num_threads(threads)
         out = torch.full_like(batch.query, float("nan"))
