@@ -120,7 +120,8 @@ def measure_round(engine: Engine, steps: int) -> dict[str, float]:
 
 def c_step(engine: Engine, steps: int) -> float:
     """Mean ms a decode step with the layers as one C call (the timers left on its path, around
-    the plan, the LM head and sampling, cost ~1 us a call)."""
+    the plan, the LM head and sampling, and around each projection C calls back where those are
+    not our kernel: oneDNN's, int8, LoRA steps; ~1 us a call)."""
     engine.step()
     start = time.perf_counter()
     for _ in range(steps):

@@ -68,10 +68,11 @@ class CpuAttentionPlan:
     prefill_query_lens: torch.Tensor | None   # [num_prefills] int64
     prefill_seq_lens: torch.Tensor | None     # [num_prefills] int64
     prefill_tables: torch.Tensor | None       # [num_prefills, max_blocks] int32, contiguous
-    # The step's metadata as torch_plan needs it.
+    # The step's metadata as torch_plan needs it: references to the model runner's step buffers,
+    # so a plan is valid only within its own forward pass (as it is used).
     starts: torch.Tensor                 # [num_seqs + 1] int64 query_start_loc
     seq_lens: torch.Tensor               # [num_seqs] int64
-    block_tables: torch.Tensor           # [num_seqs, max_blocks] int64
+    block_tables: torch.Tensor           # [num_seqs, max_blocks]
     slot_mapping: torch.Tensor
     block_size: int
 
@@ -99,13 +100,13 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         prefill_seq_lens = lens[prefill_seqs]
         prefill_tables = block_tables.index_select(0, prefill_seqs).to("cpu", torch.int32).contiguous()
     return CpuAttentionPlan(decode_rows, decode_lens, decode_tables, prefill_starts, prefill_query_lens,
-                            prefill_seq_lens, prefill_tables, starts, lens, block_tables.to("cpu", torch.int64),
-                            slot_mapping, block_size)
+                            prefill_seq_lens, prefill_tables, starts, lens, block_tables, slot_mapping, block_size)
 
 
 def plan_torch_attention(plan: CpuAttentionPlan) -> TorchAttentionPlan:
     """torch's gather indices for ``plan``'s step."""
-    starts, lens, tables, block_size = plan.starts, plan.seq_lens, plan.block_tables, plan.block_size
+    starts, lens, block_size = plan.starts, plan.seq_lens, plan.block_size
+    tables = plan.block_tables.to("cpu", torch.int64)
     query_lens = starts[1:] - starts[:-1]
     num_tokens = int(starts[-1])
     valid = plan.slot_mapping >= 0

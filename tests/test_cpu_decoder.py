@@ -7,6 +7,9 @@ deltas added in the callback."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import itertools
+import weakref
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ import torch
 from backend.model import cpu_decoder, llama
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_decoder import CpuDecoder
-from backend.model.cpu_linear import native_kernel_available, onednn_packing_available
+from backend.model.cpu_linear import (TorchLinear, native_kernel_available, native_linear, onednn_packing_available,
+                                      replace_linears)
 from backend.model.llama import AttentionMetadata, CausalLM
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
@@ -30,7 +34,9 @@ STEPS = {
 
 def tiny_model(dtype: torch.dtype, qkv_bias: bool, linear: str = "native") -> CausalLM:
     """A 3-layer model with random weights; ``linear``: ``native`` or ``onednn`` (packed for
-    that kernel), or ``torch`` (the ``nn.Linear`` modules as built)."""
+    that kernel), ``torch`` (the ``nn.Linear`` modules as built), or ``mixed``: our kernel and
+    ``TorchLinear`` in turn over the layers' projections, so that each of gate|up and down is
+    ours where the other is called back, and both are called back in a third layer."""
     arch = ModelArchitecture(model_type="qwen2" if qkv_bias else "llama", vocab_size=300, hidden_size=96,
                              intermediate_size=160, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
                              rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
@@ -42,7 +48,10 @@ def tiny_model(dtype: torch.dtype, qkv_bias: bool, linear: str = "native") -> Ca
             param.copy_(torch.randn(param.shape) * (0.2 if not name.endswith("norm.weight") else 1.0))
     model = model.to(dtype=dtype)
     model.inv_freq = model.inv_freq.float()
-    if linear != "torch":
+    if linear == "mixed":
+        kinds = itertools.cycle([native_linear, TorchLinear, TorchLinear])
+        replace_linears(model.model.layers, lambda weight, bias: next(kinds)(weight, bias))
+    elif linear != "torch":
         model.pack_for_cpu(linear)
     assert model.use_fused_layer_ops(True) == "c"
     return model
@@ -107,7 +116,8 @@ def assert_same_bits(results: dict[str, tuple]) -> None:
         assert torch.equal(k_c, k_loop) and torch.equal(v_c, v_loop)
 
 
-LINEARS = ["native", "onednn", "torch"]
+LINEARS = ["native", "onednn", "torch", "mixed"]
+CALLED_BACK = {"native": 0, "onednn": 3 * 4, "torch": 3 * 4, "mixed": 8}   # of the 3 x 4 projections
 
 
 @needs_kernel
@@ -122,19 +132,21 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
     if linear == "onednn" and not onednn_packing_available(dtype):
         pytest.skip(f"NOT RUN: oneDNN's packed {dtype} weights need a CPU this one is not (AVX-512 for bfloat16)")
     model = tiny_model(dtype, qkv_bias, linear)
-    assert model.cpu_decoder.external_projections == (0 if linear == "native" else 3 * 4)
+    assert model.cpu_decoder.external_projections == CALLED_BACK[linear]
     assert_same_bits(loop_and_c_results(model, step, monkeypatch))
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
 @pytest.mark.parametrize("linear", ["native", "torch"])
 @pytest.mark.parametrize("step", ["mixed", "decodes"])
-def test_lora_deltas_are_added_in_the_callback(dtype: torch.dtype, linear: str, step: str, monkeypatch) -> None:
+def test_lora_deltas_are_added_in_the_callback(dtype: torch.dtype, qkv_bias: bool, linear: str, step: str,
+                                               monkeypatch) -> None:
     """A step with adapters: every projection is called back and gets its delta there, with the
     loop's inputs, in the loop's order; the same bits. (A stand-in delta: the adapters' own
     arithmetic is tests/test_lora.py's, through the engine.)"""
-    model = tiny_model(dtype, False, linear)
+    model = tiny_model(dtype, qkv_bias, linear)
     calls: dict[str, list] = {"loop": [], "c": []}
 
     def fake_add_lora(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
@@ -186,6 +198,40 @@ def test_a_failing_callback_raises_and_the_next_step_runs(monkeypatch) -> None:
     with torch.inference_mode():
         logits = model(input_ids, meta, caches(torch.float32))
     assert torch.isfinite(logits).all()
+
+
+@needs_kernel
+def test_a_strided_module_output_is_read_through_the_scratch(monkeypatch) -> None:
+    """A called-back module whose output is not contiguous (C reads rows of a fixed stride):
+    copied into the scratch, the same bits as the contiguous output."""
+    model = tiny_model(torch.float32, True, "torch")
+    meta, tokens = step_metadata(*STEPS["mixed"])
+    input_ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = model(input_ids, meta, caches(torch.float32))
+        for layer in model.model.layers:
+            for module in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                real = module.forward
+                monkeypatch.setattr(module, "forward", lambda x, real=real: real(x).t().contiguous().t())
+        strided = model(input_ids, meta, caches(torch.float32))
+    assert torch.equal(strided, expected)
+
+
+@needs_kernel
+def test_a_dropped_decoder_is_freed_at_once() -> None:
+    """No reference cycle through the C callback: dropping the decoder frees it (and the caches
+    and weights it holds) without waiting for the cyclic garbage collector."""
+    model = tiny_model(torch.float32, False, "torch")
+    meta, tokens = step_metadata(*STEPS["decodes"])
+    with torch.inference_mode():
+        model(torch.zeros(tokens, dtype=torch.int64), meta, caches(torch.float32))
+    decoder = weakref.ref(model.cpu_decoder)
+    gc.disable()
+    try:
+        model.cpu_decoder = None
+        assert decoder() is None
+    finally:
+        gc.enable()
 
 
 @needs_kernel

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,7 +106,11 @@ class CpuDecoder:
         self._gate_up_layer = -1           # the layer whose gate|up was last called back
         self._with_lora = False
         self._error: BaseException | None = None
-        self._callback = EXTERNAL_PROJECTION(self._run_projection)   # kept: C holds its address
+        # Kept while C may call it. Through a weak reference: a bound method would make a cycle
+        # (decoder -> callback -> decoder) that keeps a dropped decoder, and with it the KV
+        # caches and weights it references, alive until a full garbage collection.
+        this = weakref.ref(self)
+        self._callback = EXTERNAL_PROJECTION(lambda layer, projection: this()._run_projection(layer, projection))
 
     def _hold(self, tensor: torch.Tensor) -> int:
         if tensor.dtype not in (self.dtype, torch.float32) or not tensor.is_contiguous():
@@ -181,7 +186,9 @@ class CpuDecoder:
         total = cpu_native.load().decoder_scratch_layout(self.is_bf16, ctypes.byref(self.shape), tokens,
                                                          ctypes.byref(self._offsets))
         if self._scratch.numel() < total:
-            self._scratch = torch.empty(total, dtype=torch.uint8)   # torch's CPU allocations: 64-byte aligned
+            # torch's CPU allocations are 64-byte aligned. Made under the step's inference mode
+            # (ModelRunner.execute), as every step's views and copies into it are.
+            self._scratch = torch.empty(total, dtype=torch.uint8)
         if external:
             def region(index: int, width: int) -> torch.Tensor:
                 start = self._offsets[index]
