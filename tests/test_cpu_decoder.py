@@ -136,31 +136,54 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
     assert_same_bits(loop_and_c_results(model, step, monkeypatch))
 
 
+class StandInLoRA:
+    """A step's LoRA batch whose resident adapters adapt ``projections`` (``slots.adapts``)."""
+
+    def __init__(self, projections: tuple[str, ...]) -> None:
+        self.slots, self.projections = self, projections
+
+    def adapts(self, projection: str) -> bool:
+        return projection in self.projections
+
+
+ALL_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
 @pytest.mark.parametrize("linear", ["native", "torch"])
 @pytest.mark.parametrize("step", ["mixed", "decodes"])
+@pytest.mark.parametrize("adapted", [ALL_PROJECTIONS, ("qkv", "down")], ids=["all-adapted", "qkv-down-adapted"])
 def test_lora_deltas_are_added_in_the_callback(dtype: torch.dtype, qkv_bias: bool, linear: str, step: str,
-                                               monkeypatch) -> None:
-    """A step with adapters: every projection is called back and gets its delta there, with the
-    loop's inputs, in the loop's order; the same bits. (A stand-in delta: the adapters' own
-    arithmetic is tests/test_lora.py's, through the engine.)"""
+                                               adapted: tuple[str, ...], monkeypatch) -> None:
+    """A step with adapters: every projection they adapt is called back and gets its delta
+    there, with the loop's inputs, in the loop's order; the others stay inside C (``native``);
+    the same bits. (A stand-in delta: the adapters' own arithmetic is tests/test_lora.py's,
+    through the engine.)"""
     model = tiny_model(dtype, qkv_bias, linear)
     calls: dict[str, list] = {"loop": [], "c": []}
+    called_back = []
+    real_run_projection = CpuDecoder._run_projection
+    monkeypatch.setattr(CpuDecoder, "_run_projection",
+                        lambda self, layer, which: called_back.append(which) or real_run_projection(self, layer, which))
 
     def fake_add_lora(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
+        if projection not in adapted:      # as LoRASlots.apply: nothing for an unadapted projection
+            return
         calls["loop" if model.cpu_decoder is None else "c"].append((layer, projection, x.clone()))
         out += (x[:, :1].float() * 0.25 * (layer + 1) + len(projection)).to(out.dtype)
 
     monkeypatch.setattr(llama, "lora_batch", lambda batch: contextlib.nullcontext())
     monkeypatch.setattr(llama, "add_lora", fake_add_lora)
     monkeypatch.setattr(cpu_decoder, "add_lora", fake_add_lora)
-    results = loop_and_c_results(model, step, monkeypatch, lora=object())
+    results = loop_and_c_results(model, step, monkeypatch, lora=StandInLoRA(adapted))
     assert_same_bits(results)
     assert [(layer, name) for layer, name, _ in calls["c"]] == [(layer, name) for layer, name, _ in calls["loop"]]
-    assert len(calls["c"]) == 3 * 4
+    assert len(calls["c"]) == 3 * len(adapted)
     assert all(torch.equal(x_c, x_loop) for (_, _, x_c), (_, _, x_loop) in zip(calls["c"], calls["loop"]))
+    expected_calls = 3 * (len(adapted) if linear == "native" else 4)
+    assert len(called_back) == expected_calls
 
 
 @needs_kernel
@@ -178,7 +201,7 @@ def test_c_decoder_runs_the_step(monkeypatch) -> None:
         # A step with adapters (lora_batch / add_lora stubbed: no adapter is loaded here).
         monkeypatch.setattr(llama, "lora_batch", lambda batch: contextlib.nullcontext())
         monkeypatch.setattr(cpu_decoder, "add_lora", lambda *args: None)
-        meta.lora = object()
+        meta.lora = StandInLoRA(ALL_PROJECTIONS)
         model(input_ids, meta, caches(torch.float32))
     assert loops == []
 

@@ -148,6 +148,11 @@ class LoRASlots:
                         b_stack[slot, :width].copy_(projection.b_t)
 
     # ---- the forward pass --------------------------------------------------------------------
+    def adapts(self, projection: str) -> bool:
+        """Whether ``apply`` may change this projection's output: some resident adapter adapts
+        it (always, with Triton's kernels, which always launch)."""
+        return self.backend == LoRABackend.TRITON or bool(self._adapted[projection])
+
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, batch: "LoRABatch") -> None:
         """``out[t] += B_s (A_s x[t])`` for every row with a slot (in place)."""
         if self.backend == LoRABackend.TRITON:

@@ -9,8 +9,8 @@ It applies wherever the fused C layer ops do (the C attention, float32 or bfloat
 norm). A projection that is our C kernel (``NativeLinear`` in float32, ``NativeBf16Linear`` in
 bfloat16) runs inside the C call; any other (oneDNN's ``PackedLinear``, ``TorchLinear``,
 ``Int8Linear``) is called back from C: its input is in the C call's scratch, and C goes on
-with the module's own output. In a step with LoRA adapters every projection is called back,
-and its adapters' deltas added there.
+with the module's own output. In a step with LoRA adapters every projection they adapt is
+called back, and its adapters' deltas added there.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kernels.cpu_native import EXTERNAL_PROJECTION, DecoderLayerPointers, Decode
 from kernels.cpu_attention import CpuAttentionPlan
 
 if TYPE_CHECKING:
+    from backend.lora.slots import LoRABatch
     from backend.model.llama import AttentionMetadata, CausalLM
 
 # The projection module of each dtype that runs inside the C call.
@@ -137,7 +138,7 @@ class CpuDecoder:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: CpuAttentionPlan | None,
-            lora: object | None = None) -> bool:
+            lora: LoRABatch | None = None) -> bool:
         """Every layer over the step's residual stream ``h`` [tokens, hidden] (in place), writing
         the step's K/V to the caches: what ``CausalLM._decoder_fused`` does. ``lora``: the step's
         LoRA batch (active, as ``lora_batch`` makes it, while this runs), or None. False, with
@@ -165,13 +166,13 @@ class CpuDecoder:
                                                             plan.prefill_query_lens.data_ptr())
             step.prefill_seq_lens, step.prefill_tables = (plan.prefill_seq_lens.data_ptr(),
                                                           plan.prefill_tables.data_ptr())
-        all_external = lora is not None
-        external = self.external_projections > 0 or all_external
-        scratch = self._scratch_for(h.shape[0], external)
-        self._with_lora, self._error, self._gate_up_layer = all_external, None, -1
+        # A LoRA step: the projections its adapters adapt are called back, their deltas added there.
+        lora_mask = 0 if lora is None else sum(1 << which for which in Projection if lora.slots.adapts(which.name))
+        scratch = self._scratch_for(h.shape[0], self.external_projections > 0 or lora_mask != 0)
+        self._with_lora, self._error, self._gate_up_layer = lora is not None, None, -1
         status = cpu_native.load().decoder_layers(self.is_bf16, self.layers, len(self.layers), ctypes.byref(self.shape),
                                                   ctypes.byref(step), h.data_ptr(), scratch.data_ptr(),
-                                                  self._callback, int(all_external), torch.get_num_threads())
+                                                  self._callback, lora_mask, torch.get_num_threads())
         self._views, self._outputs = {}, {}
         if self._error is not None:
             error, self._error = self._error, None

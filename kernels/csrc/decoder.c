@@ -15,7 +15,7 @@
  * The first layer's input norm runs first. h: the residual stream [tokens, hidden], in place.
  *
  * A projection without packed weights (oneDNN's, torch's or int8's on the Python side; or, in a
- * step with LoRA adapters, every projection) is handed back to the caller: ``external`` reads
+ * step with LoRA adapters, every projection they adapt) is handed back to the caller: ``external`` reads
  * the projection's input from the scratch (the layout is decoder_scratch_layout's; the down
  * projection's, from an external gate|up's own output) and returns where its output is, which
  * the rest of the layer then reads, as the Python loop reads the module's output.
@@ -179,13 +179,14 @@ int64_t decoder_scratch_layout(int is_bf16, const decoder_shape_t *s, int64_t to
 }
 
 /* ``scratch``: 64-byte aligned, decoder_scratch_layout's total for this step's tokens.
- * ``all_external``: every projection goes to ``external`` (a step with LoRA adapters, whose
- * deltas the caller adds). Returns DECODER_OK, DECODER_NO_MEMORY when a kernel's scratch could
- * not be allocated, DECODER_EXTERNAL_FAILED when ``external`` said so, DECODER_NO_EXTERNAL when
- * a projection has no packed weights and no ``external`` was given. */
+ * ``external_mask``: with bit PROJECTION_x set, that projection goes to ``external`` in every
+ * layer (a step with LoRA adapters on it, whose deltas the caller adds).
+ * Returns DECODER_OK, DECODER_NO_MEMORY when a kernel's scratch could not be allocated,
+ * DECODER_EXTERNAL_FAILED when ``external`` said so, DECODER_NO_EXTERNAL when a projection has
+ * no packed weights and no ``external`` was given. */
 int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layers, const decoder_shape_t *s,
                    const decoder_step_t *step, void *h, void *scratch_memory, external_projection_t external,
-                   int all_external, int num_threads) {
+                   int external_mask, int num_threads) {
     const int64_t t = step->tokens, element = is_bf16 ? 2 : 4;
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
@@ -199,10 +200,15 @@ int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layer
     add_rms_norm(is_bf16, h, NULL, layers[0].input_norm, x, t, s->hidden, s->eps);
     for (int64_t i = 0; i < num_layers && status == 0; ++i) {
         const decoder_layer_t *layer = &layers[i];
+        /* Each projection's packed weights, or NULL where external_mask sends it to ``external``. */
+        const void *w_qkv = (external_mask >> PROJECTION_QKV & 1) ? NULL : layer->qkv;
+        const void *w_o = (external_mask >> PROJECTION_O & 1) ? NULL : layer->o;
+        const void *w_gate_up = (external_mask >> PROJECTION_GATE_UP & 1) ? NULL : layer->gate_up;
+        const void *w_down = (external_mask >> PROJECTION_DOWN & 1) ? NULL : layer->down;
         /* Where each projection's output is: the scratch, or an external projection's own. */
         void *qkv = qkv_scratch, *proj = proj_scratch, *gate_up = gate_up_scratch;
-        status = project(is_bf16, x, t, s->hidden, s->hidden, all_external ? NULL : layer->qkv, qkv_size,
-                         layer->qkv_bias, &qkv, num_threads, external, i, PROJECTION_QKV);
+        status = project(is_bf16, x, t, s->hidden, s->hidden, w_qkv, qkv_size, layer->qkv_bias, &qkv, num_threads,
+                         external, i, PROJECTION_QKV);
         if (status != 0) break;
         if (is_bf16)
             rope_and_cache_bf16(qkv, qkv_size, step->cos, step->sin, step->slots, layer->key_cache,
@@ -214,18 +220,18 @@ int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layer
             memcpy(q + r * q_size * element, (char *)qkv + r * qkv_size * element, (size_t)(q_size * element));
         status = attend(is_bf16, s, step, layer, q, attn, num_threads);
         if (status != 0) break;
-        status = project(is_bf16, attn, t, q_size, q_size, all_external ? NULL : layer->o, s->hidden, layer->o_bias,
-                         &proj, num_threads, external, i, PROJECTION_O);
+        status = project(is_bf16, attn, t, q_size, q_size, w_o, s->hidden, layer->o_bias, &proj, num_threads,
+                         external, i, PROJECTION_O);
         if (status != 0) break;
         add_rms_norm(is_bf16, h, proj, layer->post_norm, x, t, s->hidden, s->eps);
-        status = project(is_bf16, x, t, s->hidden, s->hidden, all_external ? NULL : layer->gate_up, 2 * inter,
-                         layer->gate_up_bias, &gate_up, num_threads, external, i, PROJECTION_GATE_UP);
+        status = project(is_bf16, x, t, s->hidden, s->hidden, w_gate_up, 2 * inter, layer->gate_up_bias, &gate_up,
+                         num_threads, external, i, PROJECTION_GATE_UP);
         if (status != 0) break;
         if (is_bf16) silu_and_mul_bf16(gate_up, t, inter, 2 * inter, num_threads);
         else silu_and_mul_f32(gate_up, t, inter, 2 * inter, num_threads);
-        proj = proj_scratch;
-        status = project(is_bf16, gate_up, t, inter, 2 * inter, all_external ? NULL : layer->down, s->hidden,
-                         layer->down_bias, &proj, num_threads, external, i, PROJECTION_DOWN);
+        proj = proj_scratch;    /* our down writes the scratch, never an external o's output */
+        status = project(is_bf16, gate_up, t, inter, 2 * inter, w_down, s->hidden, layer->down_bias, &proj,
+                         num_threads, external, i, PROJECTION_DOWN);
         if (status != 0) break;
         if (i + 1 < num_layers) add_rms_norm(is_bf16, h, proj, layers[i + 1].input_norm, x, t, s->hidden, s->eps);
         else add_in_place(is_bf16, h, proj, t * s->hidden);
