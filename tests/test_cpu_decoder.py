@@ -17,8 +17,8 @@ import torch
 from backend.model import cpu_decoder, llama
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_decoder import CpuDecoder
-from backend.model.cpu_linear import (TorchLinear, native_kernel_available, native_linear, onednn_packing_available,
-                                      replace_linears)
+from backend.model.cpu_linear import (Int8Linear, TorchLinear, native_kernel_available, native_linear,
+                                      onednn_packing_available, replace_linears)
 from backend.model.llama import AttentionMetadata, CausalLM
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
@@ -34,7 +34,8 @@ STEPS = {
 
 def tiny_model(dtype: torch.dtype, qkv_bias: bool, linear: str = "native") -> CausalLM:
     """A 3-layer model with random weights; ``linear``: ``native`` or ``onednn`` (packed for
-    that kernel), ``torch`` (the ``nn.Linear`` modules as built), or ``mixed``: our kernel and
+    that kernel), ``torch`` (the ``nn.Linear`` modules as built), ``int8`` (weight-only int8,
+    ``quantization=int8``), or ``mixed``: our kernel and
     ``TorchLinear`` in turn over the layers' projections, so that each of gate|up and down is
     ours where the other is called back, and both are called back in a third layer."""
     arch = ModelArchitecture(model_type="qwen2" if qkv_bias else "llama", vocab_size=300, hidden_size=96,
@@ -48,7 +49,9 @@ def tiny_model(dtype: torch.dtype, qkv_bias: bool, linear: str = "native") -> Ca
             param.copy_(torch.randn(param.shape) * (0.2 if not name.endswith("norm.weight") else 1.0))
     model = model.to(dtype=dtype)
     model.inv_freq = model.inv_freq.float()
-    if linear == "mixed":
+    if linear == "int8":
+        replace_linears(model.model.layers, Int8Linear)
+    elif linear == "mixed":
         kinds = itertools.cycle([native_linear, TorchLinear, TorchLinear])
         replace_linears(model.model.layers, lambda weight, bias: next(kinds)(weight, bias))
     elif linear != "torch":
@@ -116,8 +119,8 @@ def assert_same_bits(results: dict[str, tuple]) -> None:
         assert torch.equal(k_c, k_loop) and torch.equal(v_c, v_loop)
 
 
-LINEARS = ["native", "onednn", "torch", "mixed"]
-CALLED_BACK = {"native": 0, "onednn": 3 * 4, "torch": 3 * 4, "mixed": 8}   # of the 3 x 4 projections
+LINEARS = ["native", "onednn", "torch", "int8", "mixed"]
+CALLED_BACK = {"native": 0, "onednn": 3 * 4, "torch": 3 * 4, "int8": 3 * 4, "mixed": 8}   # of the 3 x 4 projections
 
 
 @needs_kernel
@@ -128,7 +131,7 @@ CALLED_BACK = {"native": 0, "onednn": 3 * 4, "torch": 3 * 4, "mixed": 8}   # of 
 def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step: str, linear: str,
                                         monkeypatch) -> None:
     """Our kernels inside the call (``native``), or each projection called back to its module
-    (``onednn``, ``torch``): the loop's bits either way."""
+    (``onednn``, ``torch``, ``int8``, some of ``mixed``): the loop's bits either way."""
     if linear == "onednn" and not onednn_packing_available(dtype):
         pytest.skip(f"NOT RUN: oneDNN's packed {dtype} weights need a CPU this one is not (AVX-512 for bfloat16)")
     model = tiny_model(dtype, qkv_bias, linear)
