@@ -214,7 +214,8 @@ class CpuDecoder:
             if which is Projection.down and self._gate_up_layer == layer:
                 # This layer's gate|up came from a module: SiLU(gate) * up is in its output.
                 source = self._outputs[Projection.gate_up][:, :self.shape.intermediate]
-            out = self.projections[layer][which](source)
+            # forward, not __call__: no hooks on these modules, and ~3 us less a call (120 a step).
+            out = self.projections[layer][which].forward(source)
             if self._with_lora:
                 add_lora(out, source, layer, which.name)
             if out.dtype != target.dtype or out.shape != target.shape:
