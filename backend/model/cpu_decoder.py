@@ -90,11 +90,10 @@ class CpuDecoder:
             entry.input_norm = self._hold(layer.input_layernorm.weight.detach())
             entry.post_norm = self._hold(layer.post_attention_layernorm.weight.detach())
             for which, module in projections.items():
-                # Not our kernel: a NULL pointer, and C calls back.
                 if type(module) is LINEAR_TYPES[self.dtype]:
                     setattr(entry, which.name, self._hold(module.packed_weight))
                     setattr(entry, which.name + "_bias", None if module.bias is None else self._hold(module.bias))
-                else:
+                else:       # not our kernel: its pointer stays NULL, and C calls it back
                     self.external_projections += 1
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._scratch = torch.empty(0, dtype=torch.uint8)
