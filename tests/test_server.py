@@ -54,10 +54,16 @@ def kv_used(server: TritonServer) -> float:
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes. A metric series not exported yet
+    (``metric`` raises KeyError: a labelled series appears with its first count, at the next
+    publish) counts as not holding yet, until the last try."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return True
+        try:
+            if predicate():
+                return True
+        except KeyError:
+            pass
         time.sleep(0.05)
     return predicate()
 
