@@ -21,7 +21,6 @@
  * the rest of the layer then reads, as the Python loop reads the module's output.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
