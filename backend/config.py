@@ -13,7 +13,7 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 # KV budget on CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # CPU linear layers (backend/model/cpu_linear.py resolves "auto").
-CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
+CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch", "measure")
 
 
 # Keys an earlier release took, and their names now: a deployed config.pbtxt keeps working.
@@ -60,11 +60,13 @@ class EngineConfig:
     cpu_threads: int | None = None             # CPU: torch / OpenMP threads of the engine; None = every core
                                                # this process may run on (os.sched_getaffinity)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only int8 decoder projections (CPU opt-in)
-    cpu_linear: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU linear layers: our C kernel
-                                               # (float32: AVX2 + FMA; bfloat16: AVX512_BF16 or AVX2 + FMA),
+    cpu_linear: Literal["auto", "native", "onednn", "torch", "measure"] = "auto"  # CPU linear layers: our C
+                                               # kernel (float32: AVX2 + FMA; bfloat16: AVX512_BF16 or AVX2 + FMA),
                                                # prepacked oneDNN (float32, bfloat16) or plain
                                                # F.linear; auto: by CPU features and dtype, the measured
-                                               # rule in backend/model/cpu_linear.resolve_cpu_linear
+                                               # rule in backend/model/cpu_linear.resolve_cpu_linear, timed
+                                               # at start-up where it has no figures; measure: always timed
+                                               # (backend/model/cpu_linear_tuning.py)
     fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
                                                # backend (kernels/triton_layer_ops.py); false: torch ops

@@ -32,6 +32,7 @@ from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import (PackedLinear, native_kernel_available, native_linear, onednn_packing_available,
                                       pack_pairs)
+from backend.model.cpu_linear_tuning import projection_shapes
 from benchmarks.common import best_of
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
@@ -51,14 +52,6 @@ def kernel_build(cflags: tuple[str, ...]) -> Callable[[torch.Tensor, None], Call
     return make
 
 
-def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every matmul of a decode step, in order."""
-    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    layer = [(arch.hidden_size, qkv), (arch.num_heads * arch.head_dim, arch.hidden_size),
-             (arch.hidden_size, 2 * arch.intermediate_size), (arch.intermediate_size, arch.hidden_size)]
-    return layer * arch.num_layers + [(arch.hidden_size, arch.vocab_size)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=EngineConfig.model)
@@ -71,7 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    shapes = projection_shapes(ModelArchitecture.from_folder(args.model))
+    arch = ModelArchitecture.from_folder(args.model)
+    shapes = projection_shapes(arch) + [(arch.hidden_size, arch.vocab_size)]   # and the LM head
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
     builds = {"native-noamx": NO_AMX_CFLAGS}
     builds.update((name, tuple(flags.split())) for name, _, flags in (v.partition("=") for v in args.variant))

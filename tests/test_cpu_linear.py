@@ -56,7 +56,7 @@ def bf16_kernel_built_for(features: CpuFeatures) -> str | None:
     (AVX2, torch.bfloat16, "native"),         # the kernel's AVX2 version: docs/benchmarks.md, "bfloat16 on AVX2"
     (AVX512, torch.bfloat16, "native"),       # the same version (AVX-512 without BF16: not measured)
     (AVX512_BF16, torch.bfloat16, "native"),  # our kernel: 1.34x prepacked oneDNN at 16 rows
-    (AMX_BF16, torch.bfloat16, "onednn"),     # oneDNN's AMX tiles; our AMX version not measured yet
+    (AMX_BF16, torch.bfloat16, "onednn"),     # the rule; auto times our AMX tiles against it (test_cpu_linear_tuning)
     (AVX512_BF16, torch.float16, "torch"),
     (CpuFeatures.of(), torch.bfloat16, "torch"),
 ])

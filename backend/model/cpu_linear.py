@@ -59,7 +59,8 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
     | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.34x prepacked oneDNN at 16 rows     |
     | bfloat16 | AMX-BF16                 | onednn | 1.12x our dot products at 16 rows (Xeon, 2 cores);     |
-    |          |                          |        | our AMX version (native there) not measured yet        |
+    |          |                          |        | our AMX version not measured: ``auto`` times both at   |
+    |          |                          |        | start-up there (backend/model/cpu_linear_tuning.py)    |
     | bfloat16 | AVX2 + FMA, no bf16 math | native | our kernel's AVX2 version (widening): see the docs     |
     | other    | any                      | torch  | F.linear                                              |
 
@@ -71,6 +72,8 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     pass others)."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_CHOICES}, got {choice!r}")
+    if choice == "measure":
+        raise ValueError("cpu_linear=measure is a timing at start-up: backend.model.cpu_linear_tuning.choose_cpu_linear")
     features = features or detect()
     if not on_cpu:
         if choice not in ("auto", "torch"):
@@ -98,6 +101,15 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
         if kernel is not None:
             return "native"
     return "torch"
+
+
+def rule_is_measured(dtype: torch.dtype, features: CpuFeatures | None = None) -> bool:
+    """Whether ``resolve_cpu_linear``'s ``auto`` rests on a measurement for this dtype and CPU. The
+    one cell without: bfloat16 on AMX where our kernel's AMX version is built (oneDNN won against
+    our dot products there; the tiles have not been timed on AMX hardware)."""
+    features = features or detect()
+    return not (dtype == torch.bfloat16 and features.isa == CpuIsa.AMX_BF16
+                and cpu_native.linear_bf16_version() == "amx-bf16")
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from backend.lora.registry import MULTI_LORA_FILE
 from backend.lora.slots import NO_SLOT, LoRABackend, LoRABatch, LoRASlots
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
-from backend.model.cpu_linear import resolve_cpu_linear
+from backend.model.cpu_linear_tuning import choose_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
 from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -100,20 +100,26 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
-        self.cpu_linear = resolve_cpu_linear(config.cpu_linear, self.dtype, self.device.type == "cpu")
+        linear_choice = choose_cpu_linear(config.cpu_linear, self.dtype, arch, self.device.type == "cpu",
+                                          config.max_num_seqs)
+        self.cpu_linear = linear_choice.path
+        # What the start-up chose and why, a line each: logged here, printed by the served model.
+        self.startup_notes: list[str] = [f"weights and KV cache in {self.dtype_choice}"]
         if self.device.type == "cpu":
             bf16_kernel = self.cpu_linear == "native" and self.dtype == torch.bfloat16
             # Our bfloat16 kernel's AMX tiles run only where cpu_linear chose our kernel (it also
             # serves the LM head of a model whose projections go to oneDNN).
             amx = cpu_native.use_amx(bf16_kernel) if self.dtype == torch.bfloat16 else False
             version = "amx-bf16 (AMX tiles on)" if amx else cpu_native.linear_bf16_version()
-            logger.info("CPU %s, %s weights: linear layers %s%s", detect().describe(), str(self.dtype)[6:],
-                        self.cpu_linear, f" ({version} kernel)" if bf16_kernel else "")
+            self.startup_notes.append(
+                f"CPU {detect().describe()}, {str(self.dtype)[6:]} weights: linear layers {self.cpu_linear}"
+                f"{f' ({version} kernel)' if bf16_kernel else ''} ({linear_choice.why})")
+            logger.info("%s", self.startup_notes[-1])
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops)
-        logger.info("fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): %s%s",
-                    self.model.fused_layer_ops or "off (torch ops)",
-                    self._cpu_decoder_note())
+        self.startup_notes.append(f"fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): "
+                                  f"{self.model.fused_layer_ops or 'off (torch ops)'}{self._cpu_decoder_note()}")
+        logger.info("%s", self.startup_notes[-1])
 
         # Step buffers: at most max_num_batched_tokens tokens and max_num_seqs sequences per step.
         self.max_tokens = config.max_num_batched_tokens

@@ -107,7 +107,8 @@ class TritonPythonModel:
             config.model = str(PROJECT_ROOT / config.model)
         self.engine = build_engine(config)   # off this thread: see its docstring
         self.loop = EngineLoop(self.engine).start()
-        print(f"llm: weights and KV cache in {self.engine.runner.dtype_choice}", file=sys.stderr, flush=True)
+        for note in self.engine.runner.startup_notes:   # dtype, linear layers, fused ops: what was chosen and why
+            print(f"llm: {note}", file=sys.stderr, flush=True)
         print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
         if self.engine.cost_model is not None:
             print(f"llm: prefill chunks sized to itl_target_ms={config.itl_target_ms:g} (at least "

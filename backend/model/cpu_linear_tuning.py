@@ -1,0 +1,206 @@
+"""``cpu_linear`` chosen by timing at start-up, where the measured rule has no figures.
+
+``resolve_cpu_linear``'s rule comes from ``benchmarks.cpu_linear`` runs on the CPUs measured so
+far (docs/benchmarks.md). One cell has no measurement behind it: bfloat16 on a CPU with AMX,
+where our kernel's AMX-tile version (run only on emulated tiles so far) competes with oneDNN's
+own AMX path. There, and wherever ``cpu_linear=measure`` asks, the engine times every path that
+runs here on the model's own projection shapes, before it loads the weights, and takes the
+fastest; the start-up log gives the figures.
+
+- **What is timed:** every decoder projection of the model at ``DECODE_ROWS`` rows (a decode step
+  of that many sequences), with weights distinct per layer so that they stream from memory as a
+  real step's do (at most ``MAX_WEIGHT_BYTES`` of them); and the first layer's projections at
+  ``PREFILL_ROWS`` rows (a prompt chunk: compute-bound, so one layer times it), scaled to the
+  model. Paths alternate round by round and each keeps its best round. The LM head is left out:
+  it runs our kernel whatever ``cpu_linear`` says.
+- **The score:** time per token over as many prompt tokens as output tokens, decode time /
+  decode rows + prefill time / prefill rows. A path that serves decode fast but prompts slowly
+  would raise TTFT; the score weighs both.
+- **Ours wins ties:** another path must score ``NATIVE_MARGIN`` better to be chosen, since with
+  our kernel the whole decoder runs as one C call a step, which this timing of the matmuls alone
+  does not see (1.07-1.09x a decode step against oneDNN's projections called back from C on
+  the AVX2 Zen 3: docs/benchmarks.md, "Projections called back from the C layer loop").
+- **A wrong kernel is never chosen:** each path's output on the first layer's shapes, at both row
+  counts, is checked against ``F.linear`` in float32 on the same weights first. A path off by more
+  than its dtype's rounding is left out and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_features import CpuFeatures, detect
+from backend.model.cpu_linear import (PackedLinear, native_kernel_available, native_linear, onednn_packing_available,
+                                      resolve_cpu_linear, rule_is_measured)
+from kernels import cpu_native
+
+logger = logging.getLogger(__name__)
+
+DECODE_ROWS = 16               # the decode batch the served comparisons run (16 streams); fewer if max_num_seqs is
+PREFILL_ROWS = 512             # one prompt chunk
+NATIVE_MARGIN = 1.10           # another path must score this much better than ours (why: the module docstring)
+MAX_WEIGHT_BYTES = 512 << 20   # the projections timed, at most: more than a large L3, little start-up memory
+ROUNDS = 3
+# Largest tolerated max |y - reference| / max |reference|: float32 sums in another order, and a
+# bfloat16 output's rounding (2^-9 relative) with margin. A wrong kernel is off by far more.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.0 / 64}
+
+PATH_MAKERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]] = {
+    "native": native_linear,
+    "onednn": PackedLinear,
+}
+
+
+@dataclass(frozen=True)
+class PathTiming:
+    path: str
+    decode_ms: float
+    prefill_ms: float
+    decode_rows: int
+    prefill_rows: int
+
+    @property
+    def per_token_ms(self) -> float:
+        """Time per token with as many prompt tokens as output tokens."""
+        return self.decode_ms / self.decode_rows + self.prefill_ms / self.prefill_rows
+
+    def describe(self) -> str:
+        return (f"{self.path} {self.decode_ms:.1f} ms at {self.decode_rows} rows, {self.prefill_ms:.1f} ms at "
+                f"{self.prefill_rows}")
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    path: str
+    why: str                               # for the start-up log
+    timings: tuple[PathTiming, ...] = ()   # empty where the rule or an explicit choice decided
+
+
+def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every decoder projection of a step, layer by layer."""
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    layer = [(arch.hidden_size, qkv), (arch.num_heads * arch.head_dim, arch.hidden_size),
+             (arch.hidden_size, 2 * arch.intermediate_size), (arch.intermediate_size, arch.hidden_size)]
+    return layer * arch.num_layers
+
+
+def runnable_paths(dtype: torch.dtype, features: CpuFeatures) -> list[str]:
+    """The fast paths that run here for this dtype, ours first."""
+    paths = []
+    if native_kernel_available(dtype):
+        paths.append("native")
+    if onednn_packing_available(dtype, features):
+        paths.append("onednn")
+    return paths
+
+
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |output - reference| / max |reference|; inf where the output has a NaN or infinity."""
+    output = output.float()
+    if not torch.isfinite(output).all():
+        return float("inf")
+    return ((output - reference).abs().max() / reference.abs().max().clamp(min=1e-30)).item()
+
+
+def time_paths(shapes: list[tuple[int, int]], dtype: torch.dtype, paths: list[str], decode_rows: int,
+               prefill_rows: int = PREFILL_ROWS, rounds: int = ROUNDS,
+               makers: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]] | None = None,
+               ) -> tuple[list[PathTiming], dict[str, float]]:
+    """Each path's best round at both row counts (scaled to all of ``shapes``), for the paths
+    whose output passes the check; and every checked path's relative error against ``F.linear``."""
+    makers = makers or PATH_MAKERS
+    element = torch.tensor([], dtype=dtype).element_size()
+    budget, kept = MAX_WEIGHT_BYTES, []
+    for k, n in shapes:   # up to the budget, at least one projection
+        if kept and budget < k * n * element:
+            break
+        kept.append((k, n))
+        budget -= k * n * element
+    first_layer = kept[:4]
+    generator = torch.Generator().manual_seed(0)
+    layer_weights = [(torch.randn(n, k, generator=generator) * 0.02).to(dtype) for k, n in first_layer]
+    # Copies of the first layer's: distinct memory (the point) without drawing every weight.
+    weights = [layer_weights[i % len(first_layer)].clone() for i in range(len(kept))]
+    inputs = {rows: {k: torch.randn(rows, k, generator=generator).to(dtype) for k in {k for k, _ in kept}}
+              for rows in (decode_rows, prefill_rows)}
+    # Our bfloat16 kernel runs AMX tiles (where built) only once asked, as the engine asks for
+    # cpu_linear=native; the runner sets it again for the path chosen.
+    amx = dtype == torch.bfloat16 and "native" in paths and cpu_native.use_amx(True)
+    errors: dict[str, float] = {}
+    layers: dict[str, list[nn.Module]] = {}
+    with torch.inference_mode():
+        for path in paths:
+            stack = [makers[path](weight, None) for weight in weights]
+            errors[path] = max(relative_error(stack[i](inputs[rows][k]),
+                                              F.linear(inputs[rows][k].float(), weights[i].float()))
+                               for i, (k, _) in enumerate(first_layer) for rows in inputs)
+            if errors[path] <= TOLERANCE[dtype]:
+                layers[path] = stack
+        # (rows, how many projections): all kept ones for decode, the first layer for prefill.
+        runs = ((decode_rows, len(kept)), (prefill_rows, len(first_layer)))
+        best = {(path, rows): float("inf") for path in layers for rows, _ in runs}
+        for _ in range(rounds):
+            for path, stack in layers.items():
+                for rows, count in runs:
+                    xs = inputs[rows]
+                    start = time.perf_counter()
+                    for (k, _), layer in zip(kept[:count], stack):
+                        layer(xs[k])
+                    best[path, rows] = min(best[path, rows], (time.perf_counter() - start) * 1e3)
+    if amx:
+        cpu_native.use_amx(False)
+    timings = [PathTiming(path, best[path, decode_rows] * len(shapes) / len(kept),
+                          best[path, prefill_rows] * len(shapes) / len(first_layer), decode_rows, prefill_rows)
+               for path in layers]
+    return timings, errors
+
+
+def fastest(timings: list[PathTiming]) -> PathTiming:
+    """The best score, ours unless another is ``NATIVE_MARGIN`` better."""
+    best = min(timings, key=lambda t: t.per_token_ms)
+    ours = next((t for t in timings if t.path == "native"), None)
+    if ours is not None and ours.per_token_ms <= best.per_token_ms * NATIVE_MARGIN:
+        return ours
+    return best
+
+
+def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, on_cpu: bool = True,
+                      max_num_seqs: int = DECODE_ROWS, features: CpuFeatures | None = None,
+                      timer: Callable[..., tuple[list[PathTiming], dict[str, float]]] = time_paths) -> LinearChoice:
+    """The linear-layer path, and why: an explicit choice as given; ``auto`` by the measured rule
+    where it has figures for this CPU and dtype, else timed as ``measure`` is. ``features`` and
+    ``timer``: tests fake the machine and the clock."""
+    features = features or detect()
+    if choice != "measure":
+        path = resolve_cpu_linear(choice, dtype, on_cpu, features)
+        if choice != "auto":
+            return LinearChoice(path, f"cpu_linear={choice}")
+        if not on_cpu or rule_is_measured(dtype, features):
+            return LinearChoice(path, "cpu_linear=auto: the measured rule (docs/benchmarks.md, CPU linear layers)")
+        reason = "cpu_linear=auto: the rule has no measurement for this CPU and dtype, timed at start-up"
+    else:
+        if not on_cpu:
+            raise ValueError("cpu_linear=measure applies to CPU weights")
+        reason = "cpu_linear=measure"
+    paths = runnable_paths(dtype, features)
+    if len(paths) < 2:
+        path = resolve_cpu_linear("auto", dtype, on_cpu, features)
+        return LinearChoice(path, f"{reason}: only {path} runs here")
+    timings, errors = timer(projection_shapes(arch), dtype, paths, min(max_num_seqs, DECODE_ROWS))
+    for path, error in errors.items():
+        if error > TOLERANCE[dtype]:
+            logger.warning("cpu_linear: %s computes wrong results on this CPU (max relative error %.3g against "
+                           "F.linear, tolerance %.3g): not used", path, error, TOLERANCE[dtype])
+    if not timings:
+        raise RuntimeError(f"cpu_linear: no linear path computes correct results here ({errors})")
+    chosen = fastest(timings)
+    figures = "; ".join(t.describe() for t in timings)
+    return LinearChoice(chosen.path, f"{reason}: {figures} (the model's projections)", tuple(timings))

@@ -1,0 +1,222 @@
+"""``cpu_linear`` timed at start-up (backend/model/cpu_linear_tuning.py): when the engine times the
+paths instead of following the rule, how it scores them, that a path computing wrong numbers is
+never chosen, and that an engine started with ``cpu_linear=measure`` serves with what it chose."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_features import CpuFeatures
+from backend.model.cpu_linear import NativeLinear, PackedLinear, rule_is_measured
+from backend.model import cpu_linear_tuning
+from backend.model.cpu_linear_tuning import (NATIVE_MARGIN, PATH_MAKERS, TOLERANCE, PathTiming, choose_cpu_linear,
+                                             fastest, projection_shapes, time_paths)
+from kernels import cpu_native
+
+AVX2 = CpuFeatures.of("avx2", "fma")
+AVX512 = CpuFeatures.of("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+AVX512_BF16 = CpuFeatures.of(*AVX512.flags, "avx512_bf16")
+AMX_BF16 = CpuFeatures.of(*AVX512_BF16.flags, "amx_bf16", "amx_tile")
+
+
+def timing(path: str, decode_ms: float, prefill_ms: float) -> PathTiming:
+    return PathTiming(path, decode_ms, prefill_ms, decode_rows=16, prefill_rows=512)
+
+
+def test_score_is_time_per_token_over_equal_prompt_and_output_tokens() -> None:
+    assert timing("native", 32.0, 1024.0).per_token_ms == pytest.approx(32.0 / 16 + 1024.0 / 512)
+    # Faster at decode but slow enough at prompts to lose overall.
+    quick_decode = timing("onednn", 16.0, 4096.0)     # 1 + 8 ms a token
+    quick_prefill = timing("native", 32.0, 512.0)     # 2 + 1
+    assert fastest([quick_decode, quick_prefill]).path == "native"
+    assert fastest([timing("onednn", 16.0, 512.0), timing("torch", 64.0, 512.0)]).path == "onednn"
+
+
+def test_ours_wins_unless_another_path_is_clearly_faster() -> None:
+    ours = timing("native", 32.0, 1024.0)                         # 4 ms a token
+    within = timing("onednn", 32.0 / NATIVE_MARGIN * 1.01, 1024.0 / NATIVE_MARGIN * 1.01)
+    beyond = timing("onednn", 32.0 / NATIVE_MARGIN * 0.95, 1024.0 / NATIVE_MARGIN * 0.95)
+    assert fastest([within, ours]).path == "native"
+    assert fastest([beyond, ours]).path == "onednn"
+    assert fastest([within]).path == "onednn"                    # without ours: the fastest
+
+
+class FakeTimer:
+    """Stands in for time_paths: records its calls and answers the given timings and errors."""
+
+    def __init__(self, timings: list[PathTiming], errors: dict[str, float] | None = None) -> None:
+        self.timings, self.errors, self.calls = timings, errors, []
+
+    def __call__(self, shapes, dtype, paths, decode_rows):
+        self.calls.append((len(shapes), dtype, list(paths), decode_rows))
+        errors = self.errors if self.errors is not None else {t.path: 0.0 for t in self.timings}
+        return [t for t in self.timings if t.path in paths], errors
+
+
+@pytest.fixture
+def arch(model_dir: Path) -> ModelArchitecture:
+    return ModelArchitecture.from_folder(model_dir)
+
+
+@pytest.fixture
+def amx_machine(monkeypatch: pytest.MonkeyPatch) -> CpuFeatures:
+    """An AMX CPU whose gcc builds our kernel's AMX version, and on which both paths run."""
+    monkeypatch.setattr(cpu_native, "linear_bf16_version", lambda library=None: "amx-bf16")
+    monkeypatch.setattr(cpu_linear_tuning, "native_kernel_available", lambda dtype: True)
+    monkeypatch.setattr(cpu_linear_tuning, "onednn_packing_available", lambda dtype, features=None: True)
+    return AMX_BF16
+
+
+def test_only_bfloat16_on_amx_lacks_a_measured_rule(amx_machine: CpuFeatures, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not rule_is_measured(torch.bfloat16, AMX_BF16)
+    assert rule_is_measured(torch.float32, AMX_BF16)
+    for features in (AVX2, AVX512, AVX512_BF16):
+        assert rule_is_measured(torch.bfloat16, features)
+    # An AMX CPU whose compiler could not build the AMX version: the measured dot-products cell.
+    monkeypatch.setattr(cpu_native, "linear_bf16_version", lambda library=None: "avx512-bf16")
+    assert rule_is_measured(torch.bfloat16, AMX_BF16)
+
+
+def test_auto_times_the_paths_where_the_rule_has_no_figures(arch: ModelArchitecture,
+                                                            amx_machine: CpuFeatures) -> None:
+    timer = FakeTimer([timing("native", 14.0, 300.0), timing("onednn", 29.0, 250.0)])
+    choice = choose_cpu_linear("auto", torch.bfloat16, arch, max_num_seqs=64, features=amx_machine, timer=timer)
+    assert timer.calls == [(4 * arch.num_layers, torch.bfloat16, ["native", "onednn"], 16)]
+    assert choice.path == "native"
+    assert "timed at start-up" in choice.why and "native 14.0 ms at 16 rows" in choice.why
+    assert [t.path for t in choice.timings] == ["native", "onednn"]
+    # The decode batch timed is no larger than the engine runs.
+    choose_cpu_linear("auto", torch.bfloat16, arch, max_num_seqs=4, features=amx_machine, timer=timer)
+    assert timer.calls[-1][3] == 4
+    # oneDNN clearly faster: chosen.
+    timer = FakeTimer([timing("native", 30.0, 900.0), timing("onednn", 20.0, 250.0)])
+    assert choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine, timer=timer).path == "onednn"
+
+
+def test_the_rule_and_explicit_choices_time_nothing(arch: ModelArchitecture, amx_machine: CpuFeatures) -> None:
+    timer = FakeTimer([timing("native", 1.0, 1.0), timing("onednn", 100.0, 100.0)])
+    # float32 on AMX: the measured rule (oneDNN's 512-bit registers), however the paths would time.
+    choice = choose_cpu_linear("auto", torch.float32, arch, features=amx_machine, timer=timer)
+    assert (choice.path, choice.timings) == ("onednn", ())
+    assert "measured rule" in choice.why
+    assert choose_cpu_linear("onednn", torch.bfloat16, arch, features=amx_machine, timer=timer).path == "onednn"
+    assert choose_cpu_linear("auto", torch.bfloat16, arch, on_cpu=False, features=amx_machine,
+                             timer=timer).path == "torch"
+    assert timer.calls == []
+    with pytest.raises(ValueError, match="CPU"):
+        choose_cpu_linear("measure", torch.bfloat16, arch, on_cpu=False, features=amx_machine, timer=timer)
+
+
+def test_measure_with_one_runnable_path_takes_it_untimed(arch: ModelArchitecture) -> None:
+    # bfloat16 here (AVX2): oneDNN cannot pack bfloat16, our kernel's AVX2 version runs.
+    timer = FakeTimer([timing("native", 1.0, 1.0)])
+    choice = choose_cpu_linear("measure", torch.bfloat16, arch, features=AVX2, timer=timer)
+    assert choice.path == "native" and "only native runs here" in choice.why
+    assert timer.calls == []
+
+
+def test_a_path_with_wrong_results_is_never_chosen(arch: ModelArchitecture, amx_machine: CpuFeatures,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # time_paths leaves a failing path out of the timings; the choice names it in the log.
+    timer = FakeTimer([timing("onednn", 29.0, 250.0)], errors={"native": 0.5, "onednn": 0.001})
+    with caplog.at_level(logging.WARNING, logger=cpu_linear_tuning.__name__):
+        choice = choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine, timer=timer)
+    assert choice.path == "onednn"
+    assert "native computes wrong results" in caplog.text
+    with pytest.raises(RuntimeError, match="no linear path"):
+        choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine,
+                          timer=FakeTimer([], errors={"native": 0.5, "onednn": float("inf")}))
+
+
+class OffByOnePair(nn.Module):
+    """F.linear without the input's last two features: a kernel that drops its last k pair."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x[:, :-2], self.weight[:, :-2])
+
+
+class NaNOnce(nn.Module):
+    """Right everywhere but one element: the check must see a single NaN."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y[-1, -1] = float("nan")
+        return y
+
+
+# Small shapes (two layers of a made-up model) keep this quick; the real ones run in the engine test.
+SHAPES = [(64, 96), (64, 64), (64, 256), (128, 64)] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_time_paths_checks_each_path_against_f_linear(dtype: torch.dtype) -> None:
+    makers = {"native": PATH_MAKERS["native"], "dropped-pair": OffByOnePair, "nan": NaNOnce}
+    timings, errors = time_paths(SHAPES, dtype, list(makers), decode_rows=16, prefill_rows=40, rounds=2,
+                                 makers=makers)
+    assert errors["native"] <= TOLERANCE[dtype]      # our kernel (AVX2 version for bfloat16 here)
+    assert errors["dropped-pair"] > 10 * TOLERANCE[dtype]
+    assert errors["nan"] == float("inf")
+    assert [t.path for t in timings] == ["native"]
+    (ours,) = timings
+    assert (ours.decode_rows, ours.prefill_rows) == (16, 40)
+    assert ours.decode_ms > 0 and ours.prefill_ms > 0
+
+
+def test_time_paths_times_at_most_the_weight_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The timing of the kept projections is scaled to all of them.
+    made: list[tuple[int, ...]] = []
+
+    def counting(weight: torch.Tensor, bias: None) -> nn.Module:
+        made.append(tuple(weight.shape))
+        return PATH_MAKERS["native"](weight, bias)
+
+    per_layer = sum(k * n for k, n in SHAPES[:4]) * 4
+    monkeypatch.setattr(cpu_linear_tuning, "MAX_WEIGHT_BYTES", per_layer)   # one float32 layer
+    timings, _ = time_paths(SHAPES * 10, torch.float32, ["native"], decode_rows=2, prefill_rows=8, rounds=1,
+                            makers={"native": counting})
+    assert made == [(n, k) for k, n in SHAPES[:4]]
+    assert timings[0].decode_ms > 0
+
+
+def test_projection_shapes_are_a_decode_steps_matmuls(arch: ModelArchitecture) -> None:
+    shapes = projection_shapes(arch)
+    assert len(shapes) == 4 * arch.num_layers
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    assert shapes[:4] == [(arch.hidden_size, qkv), (arch.num_heads * arch.head_dim, arch.hidden_size),
+                          (arch.hidden_size, 2 * arch.intermediate_size), (arch.intermediate_size, arch.hidden_size)]
+
+
+def test_engine_with_measure_serves_with_the_path_it_chose(model_dir: Path, prose_ids: list[int],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # float32 here: our kernel and oneDNN both run, so this times both on the model's shapes.
+    with caplog.at_level(logging.INFO):
+        engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_linear="measure",
+                                     itl_target_ms=0.0, calibration_cache=False))
+    chosen = engine.runner.cpu_linear
+    assert chosen in ("native", "onednn")
+    layer_type = {"native": NativeLinear, "onednn": PackedLinear}[chosen]
+    assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, layer_type)
+    assert f"linear layers {chosen} (cpu_linear=measure: native " in caplog.text
+    assert "onednn " in caplog.text and " ms at 16 rows" in caplog.text
+    # Whatever it chose, greedy tokens are the default's.
+    prompt, params = [prose_ids[:40]], SamplingParams(max_tokens=8, temperature=0.0)
+    reference = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_linear="torch",
+                                    itl_target_ms=0.0, calibration_cache=False))
+    assert ([o.token_ids for o in engine.generate(prompt, params)]
+            == [o.token_ids for o in reference.generate(prompt, params)])
