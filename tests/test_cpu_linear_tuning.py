@@ -17,8 +17,8 @@ from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures
 from backend.model.cpu_linear import NativeLinear, PackedLinear, rule_is_measured
 from backend.model import cpu_linear_tuning
-from backend.model.cpu_linear_tuning import (NATIVE_MARGIN, PATH_MAKERS, TOLERANCE, PathTiming, choose_cpu_linear,
-                                             fastest, projection_shapes, time_paths)
+from backend.model.cpu_linear_tuning import (HINTED_ONEDNN, NATIVE_MARGIN, PATH_MAKERS, TOLERANCE, PathTiming,
+                                             choose_cpu_linear, fastest, path_makers, projection_shapes, time_paths)
 from kernels import cpu_native
 
 AVX2 = CpuFeatures.of("avx2", "fma")
@@ -55,7 +55,8 @@ class FakeTimer:
     def __init__(self, timings: list[PathTiming], errors: dict[str, float] | None = None) -> None:
         self.timings, self.errors, self.calls = timings, errors, []
 
-    def __call__(self, shapes, dtype, paths, decode_rows):
+    def __call__(self, shapes, dtype, paths, decode_rows, makers):
+        assert set(paths) <= set(makers)
         self.calls.append((len(shapes), dtype, list(paths), decode_rows))
         errors = self.errors if self.errors is not None else {t.path: 0.0 for t in self.timings}
         return [t for t in self.timings if t.path in paths], errors
@@ -87,18 +88,25 @@ def test_only_bfloat16_on_amx_lacks_a_measured_rule(amx_machine: CpuFeatures, mo
 
 def test_auto_times_the_paths_where_the_rule_has_no_figures(arch: ModelArchitecture,
                                                             amx_machine: CpuFeatures) -> None:
-    timer = FakeTimer([timing("native", 14.0, 300.0), timing("onednn", 29.0, 250.0)])
+    timer = FakeTimer([timing("native", 14.0, 300.0), timing("onednn", 29.0, 250.0),
+                       timing(HINTED_ONEDNN, 27.0, 260.0)])
     choice = choose_cpu_linear("auto", torch.bfloat16, arch, max_num_seqs=64, features=amx_machine, timer=timer)
-    assert timer.calls == [(4 * arch.num_layers, torch.bfloat16, ["native", "onednn"], 16)]
-    assert choice.path == "native"
+    assert timer.calls == [(4 * arch.num_layers, torch.bfloat16, ["native", "onednn", HINTED_ONEDNN], 16)]
+    assert (choice.path, choice.onednn_batch_hint) == ("native", None)
     assert "timed at start-up" in choice.why and "native 14.0 ms at 16 rows" in choice.why
-    assert [t.path for t in choice.timings] == ["native", "onednn"]
+    assert [t.path for t in choice.timings] == ["native", "onednn", HINTED_ONEDNN]
     # The decode batch timed is no larger than the engine runs.
     choose_cpu_linear("auto", torch.bfloat16, arch, max_num_seqs=4, features=amx_machine, timer=timer)
     assert timer.calls[-1][3] == 4
-    # oneDNN clearly faster: chosen.
-    timer = FakeTimer([timing("native", 30.0, 900.0), timing("onednn", 20.0, 250.0)])
-    assert choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine, timer=timer).path == "onednn"
+    # oneDNN clearly faster: chosen, packed as it was timed.
+    timer = FakeTimer([timing("native", 30.0, 900.0), timing("onednn", 20.0, 250.0),
+                       timing(HINTED_ONEDNN, 22.0, 250.0)])
+    choice = choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine, timer=timer)
+    assert (choice.path, choice.onednn_batch_hint) == ("onednn", None)
+    timer = FakeTimer([timing("native", 30.0, 900.0), timing("onednn", 20.0, 250.0),
+                       timing(HINTED_ONEDNN, 12.0, 250.0)])
+    choice = choose_cpu_linear("auto", torch.bfloat16, arch, max_num_seqs=8, features=amx_machine, timer=timer)
+    assert (choice.path, choice.onednn_batch_hint) == ("onednn", 8)
 
 
 def test_the_rule_and_explicit_choices_time_nothing(arch: ModelArchitecture, amx_machine: CpuFeatures) -> None:
@@ -167,13 +175,17 @@ SHAPES = [(64, 96), (64, 64), (64, 256), (128, 64)] * 2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_time_paths_checks_each_path_against_f_linear(dtype: torch.dtype) -> None:
     makers = {"native": PATH_MAKERS["native"], "dropped-pair": OffByOnePair, "nan": NaNOnce}
+    if dtype == torch.float32:   # oneDNN packs float32 here, with and without the hint
+        makers.update(onednn=PATH_MAKERS["onednn"], **{HINTED_ONEDNN: path_makers(16)[HINTED_ONEDNN]})
     timings, errors = time_paths(SHAPES, dtype, list(makers), decode_rows=16, prefill_rows=40, rounds=2,
                                  makers=makers)
     assert errors["native"] <= TOLERANCE[dtype]      # our kernel (AVX2 version for bfloat16 here)
     assert errors["dropped-pair"] > 10 * TOLERANCE[dtype]
     assert errors["nan"] == float("inf")
-    assert [t.path for t in timings] == ["native"]
-    (ours,) = timings
+    correct = ["native"] + (["onednn", HINTED_ONEDNN] if dtype == torch.float32 else [])
+    assert all(errors[path] <= TOLERANCE[dtype] for path in correct)
+    assert [t.path for t in timings] == correct
+    ours = timings[0]
     assert (ours.decode_rows, ours.prefill_rows) == (16, 40)
     assert ours.decode_ms > 0 and ours.prefill_ms > 0
 
@@ -213,10 +225,30 @@ def test_engine_with_measure_serves_with_the_path_it_chose(model_dir: Path, pros
     layer_type = {"native": NativeLinear, "onednn": PackedLinear}[chosen]
     assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, layer_type)
     assert f"linear layers {chosen} (cpu_linear=measure: native " in caplog.text
-    assert "onednn " in caplog.text and " ms at 16 rows" in caplog.text
+    assert "; onednn " in caplog.text and f"; {HINTED_ONEDNN} " in caplog.text and " ms at 16 rows" in caplog.text
+    assert (engine.runner.onednn_batch_hint is not None) == (f"linear layers onednn packed for 16 rows" in caplog.text)
     # Whatever it chose, greedy tokens are the default's.
     prompt, params = [prose_ids[:40]], SamplingParams(max_tokens=8, temperature=0.0)
     reference = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_linear="torch",
                                     itl_target_ms=0.0, calibration_cache=False))
     assert ([o.token_ids for o in engine.generate(prompt, params)]
             == [o.token_ids for o in reference.generate(prompt, params)])
+
+
+def test_the_hint_chosen_is_the_hint_packed(model_dir: Path, arch: ModelArchitecture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # onednn packed for the decode batch serves exactly as it was timed: every projection (the
+    # head of a float32 model too) is packed with the hint.
+    from backend.model import llama
+    from backend.model.loader import load_model
+    hints: list[int | None] = []
+
+    class Recording(PackedLinear):
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size: int | None = None) -> None:
+            hints.append(batch_size)
+            super().__init__(weight, bias, batch_size)
+
+    monkeypatch.setattr(llama, "PackedLinear", Recording)
+    model = load_model(model_dir, arch, torch.float32, torch.device("cpu"), cpu_linear="onednn", onednn_batch_hint=16)
+    assert hints == [16] * (4 * arch.num_layers + 1)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Recording)

@@ -57,6 +57,10 @@ PATH_MAKERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]]
     "native": native_linear,
     "onednn": PackedLinear,
 }
+# oneDNN with its weights packed for the decode batch (a batch-size hint; ``onednn`` packs without
+# one). Timed as a path of its own: on the AMX Xeon oneDNN's unhinted AMX path streamed the
+# weights at half the memory's pace at 16 rows, and whether the hint is why has not been measured.
+HINTED_ONEDNN = "onednn-hinted"
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,10 @@ class PathTiming:
 
 @dataclass(frozen=True)
 class LinearChoice:
-    path: str
+    path: str                              # a cpu_linear value: native, onednn or torch
     why: str                               # for the start-up log
     timings: tuple[PathTiming, ...] = ()   # empty where the rule or an explicit choice decided
+    onednn_batch_hint: int | None = None   # onednn: the rows its weights are packed for (None: no hint)
 
 
 def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
@@ -93,13 +98,19 @@ def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
 
 
 def runnable_paths(dtype: torch.dtype, features: CpuFeatures) -> list[str]:
-    """The fast paths that run here for this dtype, ours first."""
+    """The fast paths that run here for this dtype, ours first (oneDNN packed with and without
+    the batch-size hint count as one)."""
     paths = []
     if native_kernel_available(dtype):
         paths.append("native")
     if onednn_packing_available(dtype, features):
         paths.append("onednn")
     return paths
+
+
+def path_makers(decode_rows: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]]:
+    return {**PATH_MAKERS,
+            HINTED_ONEDNN: lambda weight, bias: PackedLinear(weight, bias, batch_size=decode_rows)}
 
 
 def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
@@ -194,7 +205,10 @@ def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, 
     if len(paths) < 2:
         path = resolve_cpu_linear("auto", dtype, on_cpu, features)
         return LinearChoice(path, f"{reason}: only {path} runs here")
-    timings, errors = timer(projection_shapes(arch), dtype, paths, min(max_num_seqs, DECODE_ROWS))
+    decode_rows = min(max_num_seqs, DECODE_ROWS)
+    if "onednn" in paths:
+        paths.append(HINTED_ONEDNN)
+    timings, errors = timer(projection_shapes(arch), dtype, paths, decode_rows, makers=path_makers(decode_rows))
     for path, error in errors.items():
         if error > TOLERANCE[dtype]:
             logger.warning("cpu_linear: %s computes wrong results on this CPU (max relative error %.3g against "
@@ -203,4 +217,7 @@ def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, 
         raise RuntimeError(f"cpu_linear: no linear path computes correct results here ({errors})")
     chosen = fastest(timings)
     figures = "; ".join(t.describe() for t in timings)
-    return LinearChoice(chosen.path, f"{reason}: {figures} (the model's projections)", tuple(timings))
+    why = f"{reason}: {figures} (the model's projections)"
+    if chosen.path == HINTED_ONEDNN:
+        return LinearChoice("onednn", why, tuple(timings), onednn_batch_hint=decode_rows)
+    return LinearChoice(chosen.path, why, tuple(timings))

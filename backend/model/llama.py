@@ -277,12 +277,13 @@ class CausalLM(nn.Module):
             return None
         return "c" if self.layer_ops is cpu_native else "triton"
 
-    def pack_for_cpu(self, kind: str) -> None:
+    def pack_for_cpu(self, kind: str, onednn_batch_hint: int | None = None) -> None:
         """Repack every projection and the LM head for a CPU kernel (backend/model/cpu_linear.py):
-        ``native`` (ours) or ``onednn``. A tied head keeps the embedding table for lookups
-        and gets a packed copy for logits."""
+        ``native`` (ours) or ``onednn`` (packed for ``onednn_batch_hint`` rows where given). A
+        tied head keeps the embedding table for lookups and gets a packed copy for logits."""
         self.cpu_decoder = None          # it holds the old projections: use_fused_layer_ops makes a new one
-        make = {"native": native_linear, "onednn": PackedLinear}[kind]
+        make = {"native": native_linear,
+                "onednn": lambda weight, bias: PackedLinear(weight, bias, batch_size=onednn_batch_hint)}[kind]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A bfloat16 head still gives float32 logits (Float32Logits says why).
         self.packed_lm_head = Float32Logits(weight) if weight.dtype == torch.bfloat16 else make(weight, None)

@@ -31,9 +31,11 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
-               cpu_linear: str = "torch", quantization: str = "none", fused_layer_ops: bool = False) -> CausalLM:
-    """``cpu_linear``: a resolved choice (``backend.model.cpu_linear.resolve_cpu_linear``);
-    ``fused_layer_ops``: see ``CausalLM.use_fused_layer_ops``."""
+               cpu_linear: str = "torch", quantization: str = "none", fused_layer_ops: bool = False,
+               onednn_batch_hint: int | None = None) -> CausalLM:
+    """``cpu_linear``, ``onednn_batch_hint``: a resolved choice
+    (``backend.model.cpu_linear_tuning.choose_cpu_linear``); ``fused_layer_ops``: see
+    ``CausalLM.use_fused_layer_ops``."""
     folder = Path(folder)
     with torch.device("meta"):
         model = CausalLM(arch, attention_backend)
@@ -58,9 +60,9 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         # The decoder's projections only: the LM head stays in the model dtype (its rounding
         # would move every logit), and is packed below.
         replace_linears(model.model.layers, Int8Linear)
-    # float32 or bfloat16 weights (native, onednn), as resolve_cpu_linear chose.
+    # float32 or bfloat16 weights (native, onednn), as choose_cpu_linear chose.
     if cpu_linear in ("native", "onednn"):
-        model.pack_for_cpu(cpu_linear)
+        model.pack_for_cpu(cpu_linear, onednn_batch_hint)
     model.use_fused_layer_ops(fused_layer_ops)
     return model.eval()
 

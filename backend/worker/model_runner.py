@@ -103,6 +103,7 @@ class ModelRunner:
         linear_choice = choose_cpu_linear(config.cpu_linear, self.dtype, arch, self.device.type == "cpu",
                                           config.max_num_seqs)
         self.cpu_linear = linear_choice.path
+        self.onednn_batch_hint = linear_choice.onednn_batch_hint
         # What the start-up chose and why, a line each: logged here, printed by the served model.
         self.startup_notes: list[str] = [f"weights and KV cache in {self.dtype_choice}"]
         if self.device.type == "cpu":
@@ -113,10 +114,13 @@ class ModelRunner:
             version = "amx-bf16 (AMX tiles on)" if amx else cpu_native.linear_bf16_version()
             self.startup_notes.append(
                 f"CPU {detect().describe()}, {str(self.dtype)[6:]} weights: linear layers {self.cpu_linear}"
-                f"{f' ({version} kernel)' if bf16_kernel else ''} ({linear_choice.why})")
+                f"{f' ({version} kernel)' if bf16_kernel else ''}"
+                f"{f' packed for {self.onednn_batch_hint} rows' if self.onednn_batch_hint else ''}"
+                f" ({linear_choice.why})")
             logger.info("%s", self.startup_notes[-1])
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
-                                self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops)
+                                self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops,
+                                self.onednn_batch_hint)
         self.startup_notes.append(f"fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): "
                                   f"{self.model.fused_layer_ops or 'off (torch ops)'}{self._cpu_decoder_note()}")
         logger.info("%s", self.startup_notes[-1])
@@ -187,6 +191,7 @@ class ModelRunner:
             "dtype": str(self.dtype),
             "attention_backend": self.attention_backend,
             "cpu_linear": self.cpu_linear,
+            "onednn_batch_hint": self.onednn_batch_hint,
             "fused_layer_ops": self.model.fused_layer_ops,
             "quantization": self.config.quantization,
             "decode_graphs": self.decode_graphs is not None,
