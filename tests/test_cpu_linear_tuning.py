@@ -227,12 +227,10 @@ def test_engine_with_measure_serves_with_the_path_it_chose(model_dir: Path, pros
     assert f"linear layers {chosen} (cpu_linear=measure: native " in caplog.text
     assert "; onednn " in caplog.text and f"; {HINTED_ONEDNN} " in caplog.text and " ms at 16 rows" in caplog.text
     assert (engine.runner.onednn_batch_hint is not None) == (f"linear layers onednn packed for 16 rows" in caplog.text)
-    # Whatever it chose, greedy tokens are the default's.
-    prompt, params = [prose_ids[:40]], SamplingParams(max_tokens=8, temperature=0.0)
-    reference = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_linear="torch",
-                                    itl_target_ms=0.0, calibration_cache=False))
-    assert ([o.token_ids for o in engine.generate(prompt, params)]
-            == [o.token_ids for o in reference.generate(prompt, params)])
+    # Greedy tokens do not depend on which of the two it chose: test_cpu_linear.py's
+    # test_engine_tokens_do_not_depend_on_the_linear_path. Here: it serves.
+    (output,) = engine.generate([prose_ids[:40]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(output.token_ids) == 4
 
 
 def test_the_hint_chosen_is_the_hint_packed(model_dir: Path, arch: ModelArchitecture,
