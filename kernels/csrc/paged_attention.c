@@ -291,15 +291,13 @@ static inline __attribute__((always_inline)) void attend_sequence(
  * attend_sequence on the 2-core AVX2 EPYC (Zen 3) took ~32 ms of a 105 ms float32 decode step
  * (16 sequences of ~512 tokens): per token and head, a gcc-vectorised dot product ending in a
  * horizontal sum, then an output row loaded and stored again for every token. Here:
- *   - scores: 8 tokens of one head at a time, 8 accumulators over head_dim (the query vector
- *     loaded once for the 8 tokens), then one transpose-and-add of the 8 accumulators gives
- *     the 8 scores in one vector (reduce_8);
+ *   - scores: K read row by row in memory order, each chunk of a KV head loaded once for the
+ *     heads of its group; 8 tokens' lanes per head, then one transpose-and-add gives the 8
+ *     scores in one vector (reduce_8; decode_scores_avx2 says why in this order);
  *   - P x V: per KV head, up to 3 of its query heads x 32 columns of output stay in 12
  *     registers for the whole pass over the tokens, each V vector loaded once for them.
- * Summation orders differ from attend_sequence's; both are float32 throughout. From DRAM the
- * float32 scores pass still reads K at ~10 GB/s where a plain read of the same rows reaches ~20:
- * prefetch distance and huge pages did not move it (docs/benchmarks.md, "AVX2 attention"). */
-#define DECODE_TOKENS 8          /* tokens whose scores one pass computes: 8 accumulators */
+ * Summation orders differ from attend_sequence's; both are float32 throughout. */
+#define DECODE_TOKENS 8          /* tokens whose scores one reduce_8 gives */
 #define DECODE_HEADS 3           /* query heads of a KV head accumulated together */
 #define DECODE_VECTORS 4         /* 32 columns: 3 x 4 accumulators */
 
@@ -319,32 +317,76 @@ static inline __attribute__((always_inline)) __m256 reduce_8(const __m256 a[8]) 
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* scores[h * seq_len + t] = scale * q_h . K_t, every head and token of one sequence. */
+/* partial[h][u] (8 lanes) = the lanes of q_h[d0 : d0 + 8 * nv] * K_t[d0 : ...] summed over the
+ * chunk (added to what earlier chunks of the head left, d0 > 0), for every query head of KV head
+ * g: the chunk's nv K vectors are loaded once, into registers, for the group's heads. */
+static inline __attribute__((always_inline)) void scores_chunk(
+        const int nv, const float *restrict q, const void *key_cache, int is_bf16, int64_t at, int64_t h0,
+        int64_t group, int64_t head_dim, int64_t d0, int u, float *restrict partial) {
+    __m256 k[8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < nv; ++i) k[i] = load8(key_cache, is_bf16, at + 8 * i);
+    for (int64_t h = h0; h < h0 + group; ++h) {
+        const float *qh = q + h * head_dim + d0;
+        __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();   /* two chains: half the latency */
+        _Pragma("GCC unroll 8") for (int i = 0; i < nv; ++i) {
+            if (i % 2 == 0) even = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), k[i], even);
+            else odd = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), k[i], odd);
+        }
+        float *lanes = partial + (h * DECODE_TOKENS + u) * 8;
+        __m256 sum = _mm256_add_ps(even, odd);
+        if (d0 > 0) sum = _mm256_add_ps(sum, _mm256_loadu_ps(lanes));
+        _mm256_storeu_ps(lanes, sum);
+    }
+}
+
+/* scores[h * seq_len + t] = scale * q_h . K_t, every head and token of one sequence; ``partial``:
+ * scratch of num_heads * DECODE_TOKENS * 8 floats.
+ *
+ * The K rows are read whole, one after the other, in the order they lie in memory (and the row
+ * PREFETCH_TOKENS ahead asked for whole): each row's KV heads in turn, each chunk of 8 vectors
+ * of a KV head loaded once for the heads of its group, a head's 8 lanes per token kept in
+ * ``partial`` until 8 tokens are done, then one transpose-and-add (reduce_8) gives their 8
+ * scores. The version before walked 8 rows at once, head by head (the query loaded once for
+ * them, the lanes summed in registers): per token it touched the row's first 256 bytes, then
+ * the next 8 rows' first 256, and only later the rest, which kept the memory from streaming:
+ * from DRAM it read K at ~11 GB/s where a plain read of the same rows reaches ~21 (2-core Zen 3,
+ * 16 sequences x ~650 tokens x 30 layers, blocks scattered). Read row by row it reaches
+ * ~17-21 GB/s; in cache it is ~25% slower (more loads of q), where attention is a small
+ * share of a step (docs/benchmarks.md, "Decode attention reading K row by row"). */
 static inline __attribute__((always_inline)) void decode_scores_avx2(
         const float *restrict q, const int64_t *restrict offsets, int64_t seq_len, const void *key_cache, int is_bf16,
-        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, float *restrict scores) {
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, float *restrict scores,
+        float *restrict partial) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t element_size = is_bf16 ? sizeof(bf16_t) : sizeof(float);
     const __m256 scale_v = _mm256_set1_ps(scale);
     for (int64_t t0 = 0; t0 < seq_len; t0 += DECODE_TOKENS) {
         const int64_t n = seq_len - t0 < DECODE_TOKENS ? seq_len - t0 : DECODE_TOKENS;
-        int64_t row[DECODE_TOKENS];
-        for (int u = 0; u < DECODE_TOKENS; ++u)   /* past the sequence: token t0 again, its scores dropped */
-            row[u] = offsets[t0 + (u < n ? u : 0)];
-        for (int64_t t = t0 + PREFETCH_TOKENS; t < t0 + PREFETCH_TOKENS + DECODE_TOKENS && t < seq_len; ++t) {
-            const char *ahead = (const char *)key_cache + offsets[t] * element_size;
-            for (int64_t byte = 0; byte < token_stride * element_size; byte += 64) __builtin_prefetch(ahead + byte);
+        for (int u = 0; u < DECODE_TOKENS; ++u) {
+            if (u >= n) {   /* past the sequence: lanes of zeros, their scores dropped below */
+                for (int64_t h = 0; h < num_heads; ++h)
+                    _mm256_storeu_ps(partial + (h * DECODE_TOKENS + u) * 8, _mm256_setzero_ps());
+                continue;
+            }
+            const int64_t t = t0 + u;
+            if (t + PREFETCH_TOKENS < seq_len) {
+                const char *ahead = (const char *)key_cache + offsets[t + PREFETCH_TOKENS] * element_size;
+                for (int64_t byte = 0; byte < token_stride * element_size; byte += 64) __builtin_prefetch(ahead + byte);
+            }
+            for (int64_t g = 0; g < num_kv_heads; ++g) {
+                const int64_t at = offsets[t] + g * head_dim;
+                int64_t d0 = 0;
+                for (; d0 + 64 <= head_dim; d0 += 64)
+                    scores_chunk(8, q, key_cache, is_bf16, at + d0, g * group, group, head_dim, d0, u, partial);
+                for (; d0 < head_dim; d0 += 8)   /* head sizes that are not a multiple of 64 */
+                    scores_chunk(1, q, key_cache, is_bf16, at + d0, g * group, group, head_dim, d0, u, partial);
+            }
         }
         for (int64_t h = 0; h < num_heads; ++h) {
-            const int64_t head_offset = (h / group) * head_dim;
-            __m256 acc[DECODE_TOKENS];
-            _Pragma("GCC unroll 8") for (int u = 0; u < DECODE_TOKENS; ++u) acc[u] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < head_dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + h * head_dim + d);
-                _Pragma("GCC unroll 8") for (int u = 0; u < DECODE_TOKENS; ++u)
-                    acc[u] = _mm256_fmadd_ps(qv, load8(key_cache, is_bf16, row[u] + head_offset + d), acc[u]);
-            }
-            const __m256 sums = _mm256_mul_ps(reduce_8(acc), scale_v);
+            __m256 lanes[DECODE_TOKENS];
+            _Pragma("GCC unroll 8") for (int u = 0; u < DECODE_TOKENS; ++u)
+                lanes[u] = _mm256_loadu_ps(partial + (h * DECODE_TOKENS + u) * 8);
+            const __m256 sums = _mm256_mul_ps(reduce_8(lanes), scale_v);
             if (n == DECODE_TOKENS) {
                 _mm256_storeu_ps(scores + h * seq_len + t0, sums);
             } else {   /* gcc turned a copy loop for every group into rep movs: the tail only */
@@ -386,15 +428,17 @@ static inline __attribute__((always_inline)) void decode_values_avx2(
         _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + (h0 + i) * head_dim + d0 + 8 * j, acc[i][j]);
 }
 
-/* attend_sequence for AVX2 + FMA builds: same inputs and outputs; scratch: the scores and
- * ``offsets`` [seq_len]. */
+/* attend_sequence for AVX2 + FMA builds: same inputs and outputs; scratch: the scores, ``partial``
+ * [num_heads * DECODE_TOKENS * 8] and ``offsets`` [seq_len]. */
 static inline __attribute__((always_inline)) void attend_sequence_avx2(
         const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
-        int64_t head_dim, int64_t block_size, float scale, float *restrict scores, int64_t *restrict offsets) {
+        int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict partial,
+        int64_t *restrict offsets) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     row_offsets(table, seq_len, block_size, token_stride, offsets);
-    decode_scores_avx2(q, offsets, seq_len, key_cache, is_bf16, num_heads, num_kv_heads, head_dim, scale, scores);
+    decode_scores_avx2(q, offsets, seq_len, key_cache, is_bf16, num_heads, num_kv_heads, head_dim, scale, scores,
+                       partial);
     for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += DECODE_HEADS) {
@@ -630,8 +674,9 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t seq_len = seq_lens[s];
-        /* The scores, then (at a multiple of 8 bytes) the AVX2 path's row offsets. */
-        const int64_t floats = (num_heads * seq_len + 1) / 2 * 2;
+        /* The scores, the AVX2 path's lanes of 8 tokens per head (decode_scores_avx2), then (at a
+         * multiple of 8 bytes) its row offsets. */
+        const int64_t floats = (num_heads * seq_len + num_heads * 64 + 1) / 2 * 2;
         float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * seq_len);
         if (scores == NULL) {
             failed = 1;
@@ -642,7 +687,7 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
         if (attention_path(0, head_dim) == ATTENTION_AVX2) {
             attend_sequence_avx2(query + offset, out + offset, block_tables + s * block_table_stride, seq_len,
                                  key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 scores, (int64_t *)(scores + floats));
+                                 scores, scores + num_heads * seq_len, (int64_t *)(scores + floats));
             free(scores);
             continue;
         }
@@ -664,10 +709,10 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t seq_len = seq_lens[s];
-        /* One allocation: scores, the float32 query, output and V row, then the dot-product
-         * path's scratch or the AVX2 path's (at a multiple of 8 bytes: both start with int64 row
-         * offsets). */
-        const int64_t floats = (num_heads * seq_len + 2 * width + num_kv_heads * head_dim + 1) / 2 * 2;
+        /* One allocation: scores, the float32 query, output and V row, the AVX2 path's lanes of 8
+         * tokens per head, then the dot-product path's scratch or the AVX2 path's (at a multiple
+         * of 8 bytes: both start with int64 row offsets). */
+        const int64_t floats = (num_heads * seq_len + 2 * width + num_kv_heads * head_dim + num_heads * 64 + 1) / 2 * 2;
         const int64_t dp_bytes = dp_scratch_bytes(seq_len, num_kv_heads * head_dim);
         const int64_t offsets_bytes = (int64_t)sizeof(int64_t) * seq_len;
         float *scores = malloc(sizeof(float) * floats + (dp_bytes > offsets_bytes ? dp_bytes : offsets_bytes));
@@ -690,7 +735,7 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
             if (attention_path(1, head_dim) == ATTENTION_AVX2)
                 attend_sequence_avx2(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
                                      num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                     (int64_t *)(scores + floats));
+                                     v_row + num_kv_heads * head_dim, (int64_t *)(scores + floats));
             else
 #endif
             attend_sequence(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
