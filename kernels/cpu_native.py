@@ -135,6 +135,7 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "linear_f32_supported": (_INT, []),
         "linear_bf16_isa": (_INT, []),
         "linear_bf16_use_amx": (_INT, [_INT]),
+        "linear_bf16_amx_on": (_INT, []),
         "linear_bf16_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
         "linear_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
         "linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
@@ -234,6 +235,12 @@ def use_amx(on: bool, library: ctypes.CDLL | None = None) -> bool:
     built (no AMX, or no gcc) or where the OS refused the process AMX state."""
     library = load() if library is None else library
     return library is not None and bool(library.linear_bf16_use_amx(int(on)))
+
+
+def amx_in_use(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the bfloat16 kernel's AMX version runs now (``use_amx`` turned it on and it could)."""
+    library = load() if library is None else library
+    return library is not None and bool(library.linear_bf16_amx_on())
 
 
 def linear_bf16_available() -> bool:

@@ -190,20 +190,97 @@ def test_time_paths_checks_each_path_against_f_linear(dtype: torch.dtype) -> Non
     assert ours.decode_ms > 0 and ours.prefill_ms > 0
 
 
-def test_time_paths_times_at_most_the_weight_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The timing of the kept projections is scaled to all of them.
+class FakeClock:
+    """time.perf_counter for time_paths: each projection call takes 1 ms (decode rows) or 3 ms."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def maker(self, weight: torch.Tensor, bias: None) -> nn.Module:
+        clock = self
+
+        class Ticking(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                clock.now += 1e-3 if x.shape[0] == 16 else 3e-3
+                return F.linear(x, weight)
+        return Ticking()
+
+
+def test_time_paths_times_whole_layers_within_the_budget_and_scales_to_the_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    layer_bytes = sum(k * n for k, n in SHAPES[:4]) * 4              # float32
+    clock = FakeClock()
+    monkeypatch.setattr(cpu_linear_tuning.time, "perf_counter", clock)
     made: list[tuple[int, ...]] = []
 
     def counting(weight: torch.Tensor, bias: None) -> nn.Module:
         made.append(tuple(weight.shape))
-        return PATH_MAKERS["native"](weight, bias)
+        return clock.maker(weight, bias)
 
-    per_layer = sum(k * n for k, n in SHAPES[:4]) * 4
-    monkeypatch.setattr(cpu_linear_tuning, "MAX_WEIGHT_BYTES", per_layer)   # one float32 layer
-    timings, _ = time_paths(SHAPES * 10, torch.float32, ["native"], decode_rows=2, prefill_rows=8, rounds=1,
-                            makers={"native": counting})
-    assert made == [(n, k) for k, n in SHAPES[:4]]
-    assert timings[0].decode_ms > 0
+    model = SHAPES[:4] * 10                                           # 10 layers
+    # Room for 3 layers of each of 2 paths (and a little more): 3 timed, scaled to 10.
+    monkeypatch.setattr(cpu_linear_tuning, "MAX_WEIGHT_BYTES", 2 * 3 * layer_bytes + 100)
+    timings, errors = time_paths(model, torch.float32, ["a", "b"], decode_rows=16, prefill_rows=40, rounds=2,
+                                 makers={"a": counting, "b": counting})
+    assert made == [(n, k) for k, n in SHAPES[:4] * 3] * 2
+    assert errors == {"a": 0.0, "b": 0.0}
+    for timing in timings:
+        # decode: 12 projections of 1 ms timed, x 40/12; prefill: the first layer, 4 x 3 ms, x 10.
+        assert timing.decode_ms == pytest.approx(40.0)
+        assert timing.prefill_ms == pytest.approx(120.0)
+    # Not one layer per path fits: no timing at all.
+    monkeypatch.setattr(cpu_linear_tuning, "MAX_WEIGHT_BYTES", 2 * layer_bytes - 1)
+    with pytest.raises(ValueError, match="one layer"):
+        time_paths(model, torch.float32, ["a", "b"], decode_rows=16, makers={"a": counting, "b": counting})
+
+
+def test_a_path_that_raises_is_no_candidate_and_amx_is_restored(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    state = {"amx": False}
+    calls: list[bool] = []
+
+    def use_amx(on: bool, library: None = None) -> bool:
+        calls.append(on)
+        state["amx"] = on
+        return on
+
+    monkeypatch.setattr(cpu_native, "use_amx", use_amx)
+    monkeypatch.setattr(cpu_native, "amx_in_use", lambda library=None: state["amx"])
+
+    def refusing(weight: torch.Tensor, bias: None) -> nn.Module:
+        raise RuntimeError("cannot pack this here")
+
+    makers = {"native": PATH_MAKERS["native"], "refusing": refusing}
+    with caplog.at_level(logging.WARNING, logger=cpu_linear_tuning.__name__):
+        timings, errors = time_paths(SHAPES, torch.bfloat16, ["native", "refusing"], decode_rows=16,
+                                     prefill_rows=40, rounds=1, makers=makers)
+    assert [t.path for t in timings] == ["native"] and errors["refusing"] == float("inf")
+    assert "refusing raised RuntimeError('cannot pack this here')" in caplog.text
+    assert calls == [True, False] and state["amx"] is False          # on for our kernel, then as before
+    # Restored when the timing itself fails, and to what it was (on) before.
+    state["amx"], calls[:] = True, []
+
+    def broken(weight: torch.Tensor, bias: None) -> nn.Module:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        time_paths(SHAPES, torch.bfloat16, ["native", "broken"], decode_rows=16, prefill_rows=40, rounds=1,
+                   makers={**makers, "broken": broken})
+    assert calls == [True, True] and state["amx"] is True
+
+
+def test_int8_projections_and_huge_layers_keep_the_rule(arch: ModelArchitecture, amx_machine: CpuFeatures,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer([timing("native", 1.0, 1.0), timing("onednn", 100.0, 100.0)])
+    choice = choose_cpu_linear("auto", torch.bfloat16, arch, quantization="int8", features=amx_machine, timer=timer)
+    assert choice.path == "onednn" and "int8" in choice.why
+    monkeypatch.setattr(cpu_linear_tuning, "MAX_WEIGHT_BYTES", 1 << 20)   # SmolLM2's layer: ~7 MB in bfloat16
+    choice = choose_cpu_linear("measure", torch.bfloat16, arch, features=amx_machine, timer=timer)
+    assert choice.path == "onednn" and "too large to time" in choice.why
+    assert timer.calls == []
 
 
 def test_projection_shapes_are_a_decode_steps_matmuls(arch: ModelArchitecture) -> None:

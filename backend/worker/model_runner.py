@@ -101,7 +101,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         linear_choice = choose_cpu_linear(config.cpu_linear, self.dtype, arch, self.device.type == "cpu",
-                                          config.max_num_seqs)
+                                          config.max_num_seqs, config.quantization)
         self.cpu_linear = linear_choice.path
         self.onednn_batch_hint = linear_choice.onednn_batch_hint
         # What the start-up chose and why, a line each: logged here, printed by the served model.

@@ -488,6 +488,15 @@ int linear_bf16_use_amx(int on) {
 #endif
 }
 
+/* Whether the AMX version runs now (what the last linear_bf16_use_amx left). */
+int linear_bf16_amx_on(void) {
+#ifdef AMX_PATH
+    return amx_enabled;
+#else
+    return 0;
+#endif
+}
+
 static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                   const float *bias, float *yf, uint16_t *yb, int num_threads) {
 #ifdef AMX_PATH
