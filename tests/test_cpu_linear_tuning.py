@@ -314,7 +314,7 @@ def test_the_hint_chosen_is_the_hint_packed(model_dir: Path, arch: ModelArchitec
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # onednn packed for the decode batch serves exactly as it was timed: every projection (the
     # head of a float32 model too) is packed with the hint.
-    from backend.model import llama
+    from backend.model import cpu_linear
     from backend.model.loader import load_model
     hints: list[int | None] = []
 
@@ -323,7 +323,7 @@ def test_the_hint_chosen_is_the_hint_packed(model_dir: Path, arch: ModelArchitec
             hints.append(batch_size)
             super().__init__(weight, bias, batch_size)
 
-    monkeypatch.setattr(llama, "PackedLinear", Recording)
+    monkeypatch.setattr(cpu_linear, "PackedLinear", Recording)
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"), cpu_linear="onednn", onednn_batch_hint=16)
     assert hints == [16] * (4 * arch.num_layers + 1)
     assert isinstance(model.model.layers[0].mlp.down_proj, Recording)

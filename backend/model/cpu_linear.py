@@ -196,6 +196,17 @@ def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     return PackedLinear(weight, bias) if onednn_packing_available(torch.bfloat16) else TorchLinear(weight, bias)
 
 
+def linear_maker(kind: str, onednn_batch_hint: int | None = None
+                 ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
+    """What packs a weight for a packed ``cpu_linear`` path: ``native`` (ours) or ``onednn``
+    (packed for ``onednn_batch_hint`` rows where given)."""
+    if kind == "native":
+        return native_linear
+    if kind == "onednn":
+        return lambda weight, bias: PackedLinear(weight, bias, batch_size=onednn_batch_hint)
+    raise ValueError(f"no packed linear path {kind!r}")
+
+
 class TorchLinear(nn.Module):
     """``F.linear`` on the weight as it is: the reference path, as a module."""
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
-from backend.model.cpu_linear import (PackedLinear, native_kernel_available, native_linear, onednn_packing_available,
+from backend.model.cpu_linear import (linear_maker, native_kernel_available, onednn_packing_available,
                                       resolve_cpu_linear, rule_is_measured)
 from kernels import cpu_native
 
@@ -60,8 +60,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.0 / 128}
 PROJECTIONS_PER_LAYER = 4      # qkv, o, gate|up, down: projection_shapes' order
 
 PATH_MAKERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]] = {
-    "native": native_linear,
-    "onednn": PackedLinear,
+    "native": linear_maker("native"),
+    "onednn": linear_maker("onednn"),
 }
 # oneDNN with its weights packed for the decode batch (a batch-size hint; ``onednn`` packs without
 # one). Timed as a path of its own: on the AMX Xeon oneDNN's unhinted AMX path streamed the
@@ -115,8 +115,7 @@ def runnable_paths(dtype: torch.dtype, features: CpuFeatures) -> list[str]:
 
 
 def path_makers(decode_rows: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]]:
-    return {**PATH_MAKERS,
-            HINTED_ONEDNN: lambda weight, bias: PackedLinear(weight, bias, batch_size=decode_rows)}
+    return {**PATH_MAKERS, HINTED_ONEDNN: linear_maker("onednn", decode_rows)}
 
 
 def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
@@ -227,9 +226,10 @@ def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, 
     decode_rows = min(max_num_seqs, DECODE_ROWS)
     if "onednn" in paths:
         paths.append(HINTED_ONEDNN)
-    if layers_to_time(projection_shapes(arch), dtype, len(paths)) < 1:
+    shapes = projection_shapes(arch)
+    if layers_to_time(shapes, dtype, len(paths)) < 1:
         return LinearChoice(rule, f"{reason}: the rule, a layer being too large to time at start-up")
-    timings, errors = timer(projection_shapes(arch), dtype, paths, decode_rows, makers=path_makers(decode_rows))
+    timings, errors = timer(shapes, dtype, paths, decode_rows, makers=path_makers(decode_rows))
     for path, error in errors.items():
         if error > TOLERANCE[dtype]:
             logger.warning("cpu_linear: %s computes wrong results on this CPU (max relative error %.3g against "

@@ -21,7 +21,7 @@ from backend.lora.batch import add_lora, lora_batch
 from backend.lora.slots import LoRABatch
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_decoder import CpuDecoder
-from backend.model.cpu_linear import Float32Logits, PackedLinear, native_linear, replace_linears
+from backend.model.cpu_linear import Float32Logits, linear_maker, replace_linears
 
 
 def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
@@ -282,8 +282,7 @@ class CausalLM(nn.Module):
         ``native`` (ours) or ``onednn`` (packed for ``onednn_batch_hint`` rows where given). A
         tied head keeps the embedding table for lookups and gets a packed copy for logits."""
         self.cpu_decoder = None          # it holds the old projections: use_fused_layer_ops makes a new one
-        make = {"native": native_linear,
-                "onednn": lambda weight, bias: PackedLinear(weight, bias, batch_size=onednn_batch_hint)}[kind]
+        make = linear_maker(kind, onednn_batch_hint)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A bfloat16 head still gives float32 logits (Float32Logits says why).
         self.packed_lm_head = Float32Logits(weight) if weight.dtype == torch.bfloat16 else make(weight, None)
