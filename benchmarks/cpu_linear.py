@@ -9,6 +9,7 @@ the machines are shared and their speed drifts.
     python -m benchmarks.cpu_linear --rows 1,16,64
     python -m benchmarks.cpu_linear --rows 1,16,64 --dtype bfloat16   # native: our bf16 kernel (AMX, AVX512_BF16 or AVX2)
     python -m benchmarks.cpu_linear --rows 1,2,4,16,64,512 --dtype bfloat16 --paths native,native-noamx,onednn
+    python -m benchmarks.cpu_linear --rows 1,8,16,32,64,512 --paths onednn --against HEAD~1   # this tree's kernel against a commit's
 
 ``onednn-hint`` is oneDNN with each weight prepacked for the row count being timed (a batch-size
 hint; the engine packs without one). ``native-noamx`` is our bfloat16 kernel from a build without AMX tiles (``-mno-amx-tile
@@ -31,23 +32,31 @@ import torch.nn.functional as F
 from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import (PackedLinear, native_kernel_available, native_linear, onednn_packing_available,
-                                      pack_pairs)
+                                      pack_pairs, pack_panels)
 from backend.model.cpu_linear_tuning import projection_shapes
 from benchmarks.common import best_of
+from benchmarks.cpu_attention import build_revision
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
 
 NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16")
 
 
-def kernel_build(cflags: tuple[str, ...]) -> Callable[[torch.Tensor, None], Callable[[torch.Tensor], torch.Tensor]]:
-    """A maker of layers running our bfloat16 kernel from a build with these extra flags, over
-    the same packed weight (no bias, as the other makers are called here)."""
-    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + cflags))
+def kernel_build(cflags: tuple[str, ...], dtype: torch.dtype, revision: str | None = None
+                 ) -> Callable[[torch.Tensor, None], Callable[[torch.Tensor], torch.Tensor]]:
+    """A maker of layers running our kernel for ``dtype`` from a build with these extra flags
+    (of git revision ``revision``'s kernels, or this tree's), over the same packed weight (no
+    bias, as the other makers are called here)."""
+    library = (build_revision(revision, cpu_native.CFLAGS + cflags) if revision
+               else cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + cflags)))
     cpu_native.use_amx(True, library)        # as the engine runs it with cpu_linear=native
 
     def make(weight: torch.Tensor, bias: None) -> Callable[[torch.Tensor], torch.Tensor]:
-        packed, out_features = pack_pairs(weight), weight.shape[0]
+        out_features = weight.shape[0]
+        if dtype == torch.float32:
+            packed = pack_panels(weight)
+            return lambda x: cpu_native.linear_f32(x, packed, out_features, None, library=library)
+        packed = pack_pairs(weight)
         return lambda x: cpu_native.linear_bf16(x, packed, out_features, None, library=library)
     return make
 
@@ -60,7 +69,9 @@ def main() -> None:
     parser.add_argument("--paths", default="native,onednn,torch")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=CFLAGS",
-                        help="bfloat16: a build of our kernel with these extra gcc flags, as path NAME")
+                        help="a build of our kernel for --dtype with these extra gcc flags, as path NAME")
+    parser.add_argument("--against", metavar="REV",
+                        help="adds paths 'this' (this tree's kernel) and REV (git revision REV's), called alike")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -69,14 +80,20 @@ def main() -> None:
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
     builds = {"native-noamx": NO_AMX_CFLAGS}
     builds.update((name, tuple(flags.split())) for name, _, flags in (v.partition("=") for v in args.variant))
-    bf16_kernel = dtype == torch.bfloat16 and native_kernel_available(dtype)
+    kernel = native_kernel_available(dtype)
     makers = {"native": native_linear, "onednn": PackedLinear}
-    makers.update((name, kernel_build(flags)) for name, flags in builds.items()
-                  if bf16_kernel and name in args.paths.split(","))     # each build compiled once
+    makers.update((name, kernel_build(flags, dtype)) for name, flags in builds.items()
+                  if kernel and name in args.paths.split(","))     # each build compiled once
+    paths = args.paths.split(",")
+    if args.against:
+        # Both through the same thin call (``native`` is an nn.Module: more Python per call).
+        makers.update({"this": kernel_build((), dtype), args.against: kernel_build((), dtype, args.against)})
+        builds.update({"this": (), args.against: ()})
+        paths += [p for p in ("this", args.against) if p not in paths]
     available = {"native": native_kernel_available(dtype), "onednn": onednn_packing_available(dtype), "torch": True,
-                 "onednn-hint": onednn_packing_available(dtype), **{name: bf16_kernel for name in builds}}
+                 "onednn-hint": onednn_packing_available(dtype), **{name: kernel for name in builds}}
     layers: dict[str, list] = {}
-    for path in args.paths.split(","):
+    for path in paths:
         if not available[path]:
             print(f"{path}: not available here, skipped")
             continue
@@ -88,8 +105,9 @@ def main() -> None:
     print(f"device: {cpu_name()}, {torch.get_num_threads()} threads, native AMX tiles {'on' if amx else 'off'}, "
           f"{len(shapes)} matmuls per step, "
           f"{sum(k * n for k, n in shapes) * weights[0].element_size() / 1e6:.0f} MB of {args.dtype} weights")
-    print("| rows | " + " | ".join(f"{p} ms" for p in layers) + " | native speed-up over onednn |")
-    print("|---" * (len(layers) + 2) + "|")
+    against = f" | this speed-up over {args.against}" if args.against else ""
+    print("| rows | " + " | ".join(f"{p} ms" for p in layers) + f" | native speed-up over onednn{against} |")
+    print("|---" * (len(layers) + 2 + bool(args.against)) + "|")
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes}}
@@ -107,6 +125,8 @@ def main() -> None:
 
             best = best_of(args.rounds, {path: one_step(path) for path in layers})
             ratio = (f"{best['onednn'] / best['native']:.2f}x" if "native" in best and "onednn" in best else "")
+            if args.against:
+                ratio += f" | {best[args.against] / best['this']:.2f}x"
             print(f"| {rows} | " + " | ".join(f"{best[p] * 1e3:.1f}" for p in layers) + f" | {ratio} |")
 
 

@@ -180,11 +180,13 @@ def linear_available() -> bool:
     return library is not None and bool(library.linear_f32_supported())
 
 
-def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+               library: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``packed`` = ``backend.model.cpu_linear.pack_panels(W)``. ``x``: [rows,
     in_features] float32 CPU with unit column stride (any row stride); returns a new
-    contiguous [rows, out_features] tensor. The caller checks dtypes once, at load time."""
-    return _packed_linear("linear_f32", torch.float32, x, packed, out_features, bias)
+    contiguous [rows, out_features] tensor. The caller checks dtypes once, at load time.
+    ``library``: another build (tests, benchmarks)."""
+    return _packed_linear("linear_f32", torch.float32, x, packed, out_features, bias, library)
 
 
 def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor, out_features: int,

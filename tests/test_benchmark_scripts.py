@@ -30,11 +30,14 @@ def test_benchmark_smoke(module: str, expect: str) -> None:
 def test_cpu_linear_benchmark_runs() -> None:
     """The CPU matmul comparison (docs/benchmarks.md) runs every path on the model's shapes."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_linear", "--rows", "1,7", "--rounds", "1"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # --against HEAD: a commit's kernel beside this tree's (built from the commit's files; in a
+    # clean checkout the same files, so the build this run has made already).
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_linear", "--rows", "1,7", "--rounds", "1",
+                           "--against", "HEAD"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| native ms | onednn ms | torch ms |" in done.stdout
-    assert done.stdout.count("x |") == 2      # one speed-up per row count
+    assert "| native ms | onednn ms | torch ms | this ms | HEAD ms | native speed-up over onednn | this speed-up " \
+           "over HEAD |" in done.stdout
+    assert done.stdout.count("x |") == 4      # both speed-ups per row count
 
 
 def test_silu_and_mul_benchmark_runs() -> None:

@@ -111,10 +111,12 @@ def test_pack_panels_layout() -> None:
     assert not packed[1, :, 4:].any()
 
 
-# Row counts cover every tile height (1-6) and the row blocks of 48; sizes cover partial
-# panels (17, 20 outputs), odd inner sizes and SmolLM2's shapes.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 49, 100])
-@pytest.mark.parametrize("in_features,out_features", [(576, 960), (33, 17), (1536, 20), (8, 1)])
+# Row counts cover every tile height (1-6), how a panel's rows are split into tiles (8: 6 + 2,
+# 10: 5 + 5, 13: 6 + 6 + 1, 16: 6 + 5 + 5) and the row blocks of 48; sizes cover partial panels
+# (17, 20, 40 outputs), k in blocks of 64 with a partial last one (130) or less than one (33, 8)
+# and SmolLM2's shapes.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 16, 49, 100])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (33, 17), (1536, 20), (130, 40), (8, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_matches_f_linear(rows: int, in_features: int, out_features: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)

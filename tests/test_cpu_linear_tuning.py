@@ -139,6 +139,14 @@ def test_a_path_with_wrong_results_is_never_chosen(arch: ModelArchitecture, amx_
         choice = choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine, timer=timer)
     assert choice.path == "onednn"
     assert "native computes wrong results" in caplog.text
+    # A path that raised (error inf) was logged with its exception by time_paths: not again here
+    # as one computing wrong results.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_linear_tuning.__name__):
+        choice = choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine,
+                                   timer=FakeTimer([timing("onednn", 29.0, 250.0)],
+                                                   errors={"native": float("inf"), "onednn": 0.001}))
+    assert choice.path == "onednn" and "computes wrong results" not in caplog.text
     with pytest.raises(RuntimeError, match="no linear path"):
         choose_cpu_linear("auto", torch.bfloat16, arch, features=amx_machine,
                           timer=FakeTimer([], errors={"native": 0.5, "onednn": float("inf")}))

@@ -231,7 +231,8 @@ def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, 
         return LinearChoice(rule, f"{reason}: the rule, a layer being too large to time at start-up")
     timings, errors = timer(shapes, dtype, paths, decode_rows, makers=path_makers(decode_rows))
     for path, error in errors.items():
-        if error > TOLERANCE[dtype]:
+        # inf: the path raised, which time_paths has logged with its exception.
+        if TOLERANCE[dtype] < error < float("inf"):
             logger.warning("cpu_linear: %s computes wrong results on this CPU (max relative error %.3g against "
                            "F.linear, tolerance %.3g): not used", path, error, TOLERANCE[dtype])
     if not timings:

@@ -8,44 +8,69 @@
  *
  * Layout: the weight [n, k] (row-major, as in checkpoints) is packed once, in Python
  * (cpu_linear.py), into panels of NR = 16 output columns, [ceil(n / 16)][k][16], zero-padded
- * past n, so the inner loop reads 64 contiguous bytes per k. A tile of MR = 6 rows x 16 columns keeps its 12 accumulators in
- * AVX2 registers for the whole k loop: per k, two loads of the panel, six broadcasts of x and
- * twelve FMAs. Panels are shared out to OpenMP threads (torch's pool: the library links the
- * libgomp torch already loaded); every tile of a panel reuses it from L2. Rows are taken MC
- * at a time so that a long prefill's rows stay in cache while the weights stream past.
- * Accumulation is sequential in k with FMA: float32 throughout, like F.linear up to
- * summation order.
+ * past n, so the inner loop reads 64 contiguous bytes per k. A tile of up to MR = 6 rows x 16
+ * columns keeps its 12 accumulators in AVX2 registers: per k, two loads of the panel, six
+ * broadcasts of x and twelve FMAs. Panels are shared out to OpenMP threads (torch's pool: the
+ * library links the libgomp torch already loaded). At decode row counts a panel's k goes in
+ * blocks of KB and every row tile runs over a block before the next block starts (the tiles'
+ * sums wait in an L1 scratch between blocks): the first tile reads the block from memory, the
+ * others from L1, and the second requests the next block's lines, so the weights stream during
+ * the whole panel's compute, not during the first tile only (1.1-1.2x at 8-32 rows over
+ * whole-k tiles, docs/benchmarks.md). Rows are taken MC at a time so that a long prefill's rows stay in cache
+ * while the weights stream past. Accumulation is sequential in k with FMA: float32 throughout,
+ * like F.linear up to summation order.
  *
  * Built only where the compiler targets AVX2 and FMA (``-march=native``); elsewhere
  * linear_f32_supported() returns 0 and the engine uses oneDNN or F.linear.
  */
 #include <stdint.h>
-#include <string.h>
 
 #define NR 16
 #define MR 6
 #define MC 48
+#define MIN_EVEN_ROWS 5
+/* k per block: 64 k of a panel are 4 KB, well inside L1 with the rows' x. 32 measured within
+ * noise of it, 128 and 256 slower at 16 rows (docs/benchmarks.md). */
+#ifndef KB
+#define KB 64
+#endif
+/* Up to this many rows a panel's k goes in blocks (decode steps: 1.1-1.2x at 8-32 rows); more
+ * rows (prefill) run whole-k tiles, which measured as fast or up to ~5% faster at 512. */
+#ifndef BLOCK_MAX_ROWS
+#define BLOCK_MAX_ROWS 32
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 int linear_f32_supported(void) { return 1; }
 
-/* mr rows (<= MR) of x times one panel; ncols (<= NR) columns of y are written; a line of
- * ``prefetch`` (the next panel, or NULL) is requested per k. Inlined
- * with a constant mr, so the accumulator arrays become registers (the unroll pragmas make
- * gcc unroll before it decides; without them it spilled every accumulator each k). */
-static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, const float *restrict x,
-                                                       int64_t ldx, const float *restrict panel,
-                                                       const float *restrict bias, float *restrict y,
-                                                       int64_t ldy, int64_t ncols, const float *prefetch) {
+/* Rows of the row tile that starts at r0 of mc: tiles as even as their count allows (16 rows:
+ * 6 + 5 + 5) while each keeps at least 5 rows; else MR at a time and the rest (8 rows: 6 + 2,
+ * not 4 + 4). A 4-row tile's 8 accumulators are exactly the FMA units' latency x throughput, and
+ * measured slower than a 6-row tile beside a small one. */
+static inline int64_t tile_rows(int64_t r0, int64_t mc) {
+    const int64_t tiles = (mc + MR - 1) / MR, even = mc / tiles, extra = mc % tiles;
+    if (even < MIN_EVEN_ROWS) return mc - r0 < MR ? mc - r0 : MR;
+    return r0 < extra * (even + 1) ? even + 1 : even;     /* the first ``extra`` tiles take one more */
+}
+
+/* mr rows (<= MR) of x times one panel over k in [k0, k1). The sums start at zero when k0 is 0,
+ * else from ``sums`` (mr rows of NR floats), where they are left. A line of ``prefetch`` (or
+ * none: NULL) is requested per k. Inlined with a constant mr, so the accumulator arrays become
+ * registers (the unroll pragmas make gcc unroll before it decides; without them it spilled
+ * every accumulator each k). */
+static inline __attribute__((always_inline)) void tile(const int mr, int64_t k0, int64_t k1,
+                                                       const float *restrict x, int64_t ldx,
+                                                       const float *restrict panel, float *restrict sums,
+                                                       const float *prefetch) {
     __m256 lo[MR], hi[MR];
     _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
-        lo[r] = _mm256_setzero_ps();
-        hi[r] = _mm256_setzero_ps();
+        lo[r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * NR);
+        hi[r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * NR + 8);
     }
-    for (int64_t kk = 0; kk < k; ++kk) {
-        if (prefetch != NULL) _mm_prefetch((const char *)(prefetch + kk * NR), _MM_HINT_T0);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+        if (prefetch != NULL) _mm_prefetch((const char *)(prefetch + (kk - k0) * NR), _MM_HINT_T0);
         const __m256 w_lo = _mm256_loadu_ps(panel + kk * NR), w_hi = _mm256_loadu_ps(panel + kk * NR + 8);
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
             const __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);
@@ -53,28 +78,40 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
             hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
         }
     }
-    if (bias != NULL) {
-        float padded[NR] = {0};
-        memcpy(padded, bias, sizeof(float) * ncols);
-        const __m256 b_lo = _mm256_loadu_ps(padded), b_hi = _mm256_loadu_ps(padded + 8);
-        _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
-            lo[r] = _mm256_add_ps(lo[r], b_lo);
-            hi[r] = _mm256_add_ps(hi[r], b_hi);
+    _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
+        _mm256_store_ps(sums + r * NR, lo[r]);
+        _mm256_store_ps(sums + r * NR + 8, hi[r]);
+    }
+}
+
+/* mc (<= MC) rows of x times one panel into ncols (<= NR) columns of y (+ bias). ``next``: the
+ * lines to request after the panel's last block (the next panel), or NULL. */
+static void panel_rows(int64_t mc, int64_t k, const float *restrict x, int64_t ldx, const float *restrict panel,
+                       const float *next, const float *restrict bias, float *restrict y, int64_t ldy,
+                       int64_t ncols) {
+    float sums[MC * NR] __attribute__((aligned(32)));
+    const int64_t kb = mc <= BLOCK_MAX_ROWS ? KB : k;
+    for (int64_t k0 = 0; k0 < k; k0 += kb) {
+        const int64_t k1 = k - k0 < kb ? k : k0 + kb;
+        /* The second tile requests what the first will read next: one line (a k of the panel)
+         * per k. With one tile there is none: a request then only competed with the stream. */
+        const float *ahead = k1 < k ? panel + k1 * NR : next;
+        for (int64_t r0 = 0, mr = 0, t = 0; r0 < mc; r0 += mr, ++t) {
+            mr = tile_rows(r0, mc);
+            const float *xr = x + r0 * ldx, *pf = t == 1 ? ahead : NULL;
+            float *sr = sums + r0 * NR;
+            switch (mr) {
+                case 6: tile(6, k0, k1, xr, ldx, panel, sr, pf); break;
+                case 5: tile(5, k0, k1, xr, ldx, panel, sr, pf); break;
+                case 4: tile(4, k0, k1, xr, ldx, panel, sr, pf); break;
+                case 3: tile(3, k0, k1, xr, ldx, panel, sr, pf); break;
+                case 2: tile(2, k0, k1, xr, ldx, panel, sr, pf); break;
+                default: tile(1, k0, k1, xr, ldx, panel, sr, pf); break;
+            }
         }
     }
-    if (ncols == NR) {
-        _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
-            _mm256_storeu_ps(y + r * ldy, lo[r]);
-            _mm256_storeu_ps(y + r * ldy + 8, hi[r]);
-        }
-    } else {
-        float row[NR];
-        _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
-            _mm256_storeu_ps(row, lo[r]);
-            _mm256_storeu_ps(row + 8, hi[r]);
-            memcpy(y + r * ldy, row, sizeof(float) * ncols);
-        }
-    }
+    for (int64_t r = 0; r < mc; ++r)
+        for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = sums[r * NR + c] + (bias != NULL ? bias[c] : 0.0f);
 }
 
 /* x: [m, k] with row stride ldx; packed: [ceil(n / NR)][k][NR]; bias: [n] or NULL;
@@ -93,25 +130,9 @@ int linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
 #pragma omp for schedule(guided) nowait
         for (int64_t p = 0; p < panels; ++p) {
             const float *panel = packed + p * k * NR;
-            const float *panel_bias = bias != NULL ? bias + p * NR : NULL;
             const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
-            /* With more than one tile per panel, the first one requests the next panel, so that
-             * it arrives from DRAM while the other tiles compute from cache (measured 8-12%
-             * faster at 16 rows; with one tile it only competed with the stream and was slower). */
-            const float *next = mc > MR && p + 1 < panels ? panel + k * NR : NULL;
-            for (int64_t r0 = 0; r0 < mc; r0 += MR) {
-                const float *xr = x + (m0 + r0) * ldx;
-                float *yr = y + (m0 + r0) * n + p * NR;
-                const float *pf = r0 == 0 ? next : NULL;
-                switch (mc - r0 < MR ? mc - r0 : MR) {
-                    case 6: tile(6, k, xr, ldx, panel, panel_bias, yr, n, ncols, pf); break;
-                    case 5: tile(5, k, xr, ldx, panel, panel_bias, yr, n, ncols, pf); break;
-                    case 4: tile(4, k, xr, ldx, panel, panel_bias, yr, n, ncols, pf); break;
-                    case 3: tile(3, k, xr, ldx, panel, panel_bias, yr, n, ncols, pf); break;
-                    case 2: tile(2, k, xr, ldx, panel, panel_bias, yr, n, ncols, pf); break;
-                    default: tile(1, k, xr, ldx, panel, panel_bias, yr, n, ncols, pf); break;
-                }
-            }
+            panel_rows(mc, k, x + m0 * ldx, ldx, panel, p + 1 < panels ? panel + k * NR : NULL,
+                       bias != NULL ? bias + p * NR : NULL, y + m0 * n + p * NR, n, ncols);
         }
     }
     return 0;
