@@ -150,7 +150,8 @@ def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
 
 # Row counts cover both tilings of the AVX512_BF16 version (up to 16 rows one tile of all rows x
 # 1 panel, beyond them tiles of 8 rows x 3 panels with every shorter last tile), the AVX2
-# version's (tiles of 4 rows, blocks of 48 rows) and the AMX version's (one row by the dot
+# version's (tiles of 4 rows, blocks of 48 rows; up to 32 rows k in blocks of 64, the last one
+# partial at 130) and the AMX version's (one row by the dot
 # products; blocks of 16 rows, the last one padded; groups of 1, 2 and 4 panels); sizes cover one,
 # two and three panels per tile, partial panels (37, 20 outputs), k not a multiple of 32 (the AMX
 # build's fallback: 130, 8, 2) and SmolLM2's shapes.

@@ -151,8 +151,7 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
  * the two widened halves of a pair (4 registers) and a broadcast in the 16 ymm registers. The
  * weight stays where it is read from DRAM once: half float32's bytes (docs/benchmarks.md, "bfloat16
  * on AVX2"). Rows are taken AVX2_MC at a time, so a prefill's widened rows stay in L2 while the
- * panels pass, and with more than one tile per panel the first one prefetches the next panel, as
- * in linear_f32.c. */
+ * panels pass; at decode row counts a panel's k goes in blocks, as in linear_f32.c. */
 #include <immintrin.h>
 #include <stdlib.h>
 
@@ -160,23 +159,33 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #define AVX2_MR 4    /* rows per tile (at most 6; -DAVX2_MR=... to measure another) */
 #endif
 #define AVX2_MC 48
+/* Pairs per k block at decode row counts (64 k: 2 KB of a panel), and up to how many rows k is
+ * blocked, as in linear_f32.c (docs/benchmarks.md). */
+#ifndef AVX2_KB
+#define AVX2_KB 32
+#endif
+#ifndef AVX2_BLOCK_MAX_ROWS
+#define AVX2_BLOCK_MAX_ROWS 32
+#endif
 
 #define LINEAR_BF16_BASE_ISA 1
 
-static inline __attribute__((always_inline)) void tile(const int mr, const int64_t pairs, const float *restrict x,
-                                                       const int64_t ldx, const uint16_t *restrict panel,
-                                                       const float *restrict bias, float *restrict yf,
-                                                       uint16_t *restrict yb, const int64_t ldy, const int64_t ncols,
+/* mr rows (<= 6) of the widened x times one panel over pairs [p0, p1). The sums start at zero
+ * when p0 is 0, else from ``sums`` (mr rows of NR floats), where they are left. A line of
+ * ``prefetch`` (or none: NULL) is requested per pair. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int64_t p0, const int64_t p1,
+                                                       const float *restrict x, const int64_t ldx,
+                                                       const uint16_t *restrict panel, float *restrict sums,
                                                        const uint16_t *prefetch) {
     __m256 lo[6], hi[6];
     _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
-        lo[r] = _mm256_setzero_ps();
-        hi[r] = _mm256_setzero_ps();
+        lo[r] = p0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * NR);
+        hi[r] = p0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * NR + 8);
     }
     const __m256i odd_half = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int64_t kk = 0; kk < pairs; ++kk) {
+    for (int64_t kk = p0; kk < p1; ++kk) {
         const uint16_t *at = panel + kk * 2 * NR;
-        if (prefetch != NULL) _mm_prefetch((const char *)(prefetch + kk * 2 * NR), _MM_HINT_T0);
+        if (prefetch != NULL) _mm_prefetch((const char *)(prefetch + (kk - p0) * 2 * NR), _MM_HINT_T0);
         const __m256i cols_lo = _mm256_loadu_si256((const __m256i *)at);
         const __m256i cols_hi = _mm256_loadu_si256((const __m256i *)(at + NR));
         const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(cols_lo, 16));
@@ -196,16 +205,45 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int64
             hi[r] = _mm256_fmadd_ps(xv, odd_hi, hi[r]);
         }
     }
-    float row[NR];
     _Pragma("GCC unroll 6") for (int r = 0; r < mr; ++r) {
-        _mm256_storeu_ps(row, lo[r]);
-        _mm256_storeu_ps(row + 8, hi[r]);
+        _mm256_store_ps(sums + r * NR, lo[r]);
+        _mm256_store_ps(sums + r * NR + 8, hi[r]);
+    }
+}
+
+/* mc (<= AVX2_MC) widened rows times one panel into ncols (<= NR) columns of yf or yb (+ bias).
+ * At decode row counts the pairs go in blocks of AVX2_KB, every row tile over a block before the
+ * next, the second tile requesting the next block's lines: the weights stream through the whole
+ * panel's compute (as in linear_f32.c); above AVX2_BLOCK_MAX_ROWS, whole-k tiles. ``next``: the
+ * lines to request after the last block (the next panel), or NULL. */
+static void panel_rows(const int64_t mc, const int64_t pairs, const float *restrict x, const int64_t ldx,
+                       const uint16_t *restrict panel, const uint16_t *next, const float *restrict bias,
+                       float *restrict yf, uint16_t *restrict yb, const int64_t ldy, const int64_t ncols) {
+    float sums[AVX2_MC * NR] __attribute__((aligned(32)));
+    const int64_t block = mc <= AVX2_BLOCK_MAX_ROWS ? AVX2_KB : pairs;
+    for (int64_t p0 = 0; p0 < pairs; p0 += block) {
+        const int64_t p1 = pairs - p0 < block ? pairs : p0 + block;
+        const uint16_t *ahead = p1 < pairs ? panel + p1 * 2 * NR : next;
+        for (int64_t r0 = 0, t = 0; r0 < mc; r0 += AVX2_MR, ++t) {
+            const float *xr = x + r0 * ldx;
+            const uint16_t *pf = t == 1 ? ahead : NULL;
+            float *sr = sums + r0 * NR;
+            switch (mc - r0 < AVX2_MR ? mc - r0 : AVX2_MR) {
+                case 6: tile(6, p0, p1, xr, ldx, panel, sr, pf); break;
+                case 5: tile(5, p0, p1, xr, ldx, panel, sr, pf); break;
+                case 4: tile(4, p0, p1, xr, ldx, panel, sr, pf); break;
+                case 3: tile(3, p0, p1, xr, ldx, panel, sr, pf); break;
+                case 2: tile(2, p0, p1, xr, ldx, panel, sr, pf); break;
+                default: tile(1, p0, p1, xr, ldx, panel, sr, pf); break;
+            }
+        }
+    }
+    for (int64_t r = 0; r < mc; ++r)
         for (int64_t c = 0; c < ncols; ++c) {
-            const float out = row[c] + (bias ? bias[c] : 0.0f);
+            const float out = sums[r * NR + c] + (bias ? bias[c] : 0.0f);
             if (yb) yb[r * ldy + c] = f32_to_bf16(out);
             else yf[r * ldy + c] = out;
         }
-    }
 }
 
 static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
@@ -224,24 +262,10 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #pragma omp for schedule(guided) nowait
             for (int64_t p = 0; p < panels; ++p) {
                 const uint16_t *panel = packed + p * panel_stride;
-                const uint16_t *next = mc > AVX2_MR && p + 1 < panels ? panel + panel_stride : NULL;
-                const int64_t column = p * NR, ncols = n - column < NR ? n - column : NR;
-                for (int64_t r0 = 0; r0 < mc; r0 += AVX2_MR) {
-                    const float *xr = wide + (m0 + r0) * pairs * 2;
-                    const int64_t at = (m0 + r0) * n + column;
-                    const float *b = bias ? bias + column : NULL;
-                    float *yfr = yf ? yf + at : NULL;
-                    uint16_t *ybr = yb ? yb + at : NULL;
-                    const uint16_t *pf = r0 == 0 ? next : NULL;
-                    switch (mc - r0 < AVX2_MR ? mc - r0 : AVX2_MR) {
-                        case 6: tile(6, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
-                        case 5: tile(5, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
-                        case 4: tile(4, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
-                        case 3: tile(3, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
-                        case 2: tile(2, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
-                        default: tile(1, pairs, xr, pairs * 2, panel, b, yfr, ybr, n, ncols, pf); break;
-                    }
-                }
+                const int64_t column = p * NR, at = m0 * n + column;
+                panel_rows(mc, pairs, wide + m0 * pairs * 2, pairs * 2, panel,
+                           p + 1 < panels ? panel + panel_stride : NULL, bias ? bias + column : NULL,
+                           yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column < NR ? n - column : NR);
             }
         }
     }
