@@ -135,6 +135,16 @@ def test_native_linear_matches_f_linear(rows: int, in_features: int, out_feature
     assert layer(x.view(1, rows, in_features)).shape == (1, rows, out_features)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_native_linear_keeps_the_sign_of_a_zero_sum(rows: int) -> None:
+    # Products that underflow to -0.0 sum to -0.0, as in float64 rounded to float32; an output
+    # written as "sum + 0.0" without a bias would turn it into +0.0.
+    weight, x = torch.full((20, 70), 1e-30), torch.full((rows, 70), -1e-30)
+    expected = F.linear(x.double(), weight.double()).float()
+    assert torch.signbit(expected).all()
+    assert torch.signbit(NativeLinear(weight, None)(x)).all()
+
+
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("batch_size", [None, 16], ids=["no-hint", "packed-for-16-rows"])

@@ -215,11 +215,12 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int64
  * At decode row counts the pairs go in blocks of AVX2_KB, every row tile over a block before the
  * next, the second tile requesting the next block's lines: the weights stream through the whole
  * panel's compute (as in linear_f32.c); above AVX2_BLOCK_MAX_ROWS, whole-k tiles. ``next``: the
- * lines to request after the last block (the next panel), or NULL. */
+ * lines to request after the last block (the next panel's first block), or NULL. */
 static void panel_rows(const int64_t mc, const int64_t pairs, const float *restrict x, const int64_t ldx,
                        const uint16_t *restrict panel, const uint16_t *next, const float *restrict bias,
                        float *restrict yf, uint16_t *restrict yb, const int64_t ldy, const int64_t ncols) {
     float sums[AVX2_MC * NR] __attribute__((aligned(32)));
+    if (pairs == 0) memset(sums, 0, sizeof(sums));  /* no block runs: the sums are empty */
     const int64_t block = mc <= AVX2_BLOCK_MAX_ROWS ? AVX2_KB : pairs;
     for (int64_t p0 = 0; p0 < pairs; p0 += block) {
         const int64_t p1 = pairs - p0 < block ? pairs : p0 + block;

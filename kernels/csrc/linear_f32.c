@@ -24,6 +24,7 @@
  * linear_f32_supported() returns 0 and the engine uses oneDNN or F.linear.
  */
 #include <stdint.h>
+#include <string.h>
 
 #define NR 16
 #define MR 6
@@ -85,11 +86,15 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k0,
 }
 
 /* mc (<= MC) rows of x times one panel into ncols (<= NR) columns of y (+ bias). ``next``: the
- * lines to request after the panel's last block (the next panel), or NULL. */
+ * lines to request after the panel's last block (the next panel's first block), or NULL. Above
+ * BLOCK_MAX_ROWS the one block is the whole of k, and the second tile requests the whole next
+ * panel (the whole-k tiles before the blocks had the first tile do it: measured alike at 512
+ * rows). */
 static void panel_rows(int64_t mc, int64_t k, const float *restrict x, int64_t ldx, const float *restrict panel,
                        const float *next, const float *restrict bias, float *restrict y, int64_t ldy,
                        int64_t ncols) {
     float sums[MC * NR] __attribute__((aligned(32)));
+    if (k == 0) memset(sums, 0, sizeof(sums));      /* no block runs: the sums are empty */
     const int64_t kb = mc <= BLOCK_MAX_ROWS ? KB : k;
     for (int64_t k0 = 0; k0 < k; k0 += kb) {
         const int64_t k1 = k - k0 < kb ? k : k0 + kb;
@@ -111,7 +116,10 @@ static void panel_rows(int64_t mc, int64_t k, const float *restrict x, int64_t l
         }
     }
     for (int64_t r = 0; r < mc; ++r)
-        for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = sums[r * NR + c] + (bias != NULL ? bias[c] : 0.0f);
+        /* No "+ 0.0f" without a bias: it would turn a -0.0 sum into +0.0 (the whole-k tiles
+         * before these blocks wrote the sums as they were). */
+        for (int64_t c = 0; c < ncols; ++c)
+            y[r * ldy + c] = bias != NULL ? sums[r * NR + c] + bias[c] : sums[r * NR + c];
 }
 
 /* x: [m, k] with row stride ldx; packed: [ceil(n / NR)][k][NR]; bias: [n] or NULL;
