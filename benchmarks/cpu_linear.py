@@ -78,18 +78,18 @@ def main() -> None:
     arch = ModelArchitecture.from_folder(args.model)
     shapes = projection_shapes(arch) + [(arch.hidden_size, arch.vocab_size)]   # and the LM head
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
-    builds = {"native-noamx": NO_AMX_CFLAGS}
-    builds.update((name, tuple(flags.split())) for name, _, flags in (v.partition("=") for v in args.variant))
-    kernel = native_kernel_available(dtype)
-    makers = {"native": native_linear, "onednn": PackedLinear}
-    makers.update((name, kernel_build(flags, dtype)) for name, flags in builds.items()
-                  if kernel and name in args.paths.split(","))     # each build compiled once
+    # Builds of our kernel as paths: name -> (extra gcc flags, git revision or None for this tree's).
+    builds: dict[str, tuple[tuple[str, ...], str | None]] = {"native-noamx": (NO_AMX_CFLAGS, None)}
+    builds.update((name, (tuple(flags.split()), None)) for name, _, flags in (v.partition("=") for v in args.variant))
     paths = args.paths.split(",")
     if args.against:
         # Both through the same thin call (``native`` is an nn.Module: more Python per call).
-        makers.update({"this": kernel_build((), dtype), args.against: kernel_build((), dtype, args.against)})
-        builds.update({"this": (), args.against: ()})
+        builds.update({"this": ((), None), args.against: ((), args.against)})
         paths += [p for p in ("this", args.against) if p not in paths]
+    kernel = native_kernel_available(dtype)
+    makers = {"native": native_linear, "onednn": PackedLinear}
+    makers.update((name, kernel_build(flags, dtype, revision)) for name, (flags, revision) in builds.items()
+                  if kernel and name in paths)     # each build compiled once
     available = {"native": native_kernel_available(dtype), "onednn": onednn_packing_available(dtype), "torch": True,
                  "onednn-hint": onednn_packing_available(dtype), **{name: kernel for name in builds}}
     layers: dict[str, list] = {}
@@ -126,7 +126,7 @@ def main() -> None:
             best = best_of(args.rounds, {path: one_step(path) for path in layers})
             ratio = (f"{best['onednn'] / best['native']:.2f}x" if "native" in best and "onednn" in best else "")
             if args.against:
-                ratio += f" | {best[args.against] / best['this']:.2f}x"
+                ratio += f" | {best[args.against] / best['this']:.2f}x" if "this" in best else " | "
             print(f"| {rows} | " + " | ".join(f"{best[p] * 1e3:.1f}" for p in layers) + f" | {ratio} |")
 
 
