@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import amx_probe
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -220,6 +222,7 @@ def attention_path(dtype: torch.dtype, head_dim: int, library: ctypes.CDLL | Non
 # linear_bf16_isa()'s answer -> the version of the bfloat16 kernels a library was built with.
 # "amx-emulated" exists only in test builds (-DLINEAR_BF16_EMULATE_AMX).
 LINEAR_BF16_VERSIONS = {4: "amx-emulated", 3: "amx-bf16", 2: "avx512-bf16", 1: "avx2"}
+AMX_VERSIONS = ("amx-bf16", "amx-emulated")
 
 
 def linear_bf16_version(library: ctypes.CDLL | None = None) -> str | None:
@@ -234,9 +237,25 @@ def linear_bf16_version(library: ctypes.CDLL | None = None) -> str | None:
 def use_amx(on: bool, library: ctypes.CDLL | None = None) -> bool:
     """Turn the bfloat16 kernel's AMX version on or off for this process (off until asked: the
     engine turns it on with ``cpu_linear=native``); whether it now runs. False where it is not
-    built (no AMX, or no gcc) or where the OS refused the process AMX state."""
+    built (no AMX, or no gcc), where the OS refused the process AMX state, or where the tiles
+    failed the probe: before they first run in this process they run once in a child process
+    (kernels/amx_probe.py), so that a crash, a hang or wrong sums there leave them off here
+    instead of killing the server."""
     library = load() if library is None else library
-    return library is not None and bool(library.linear_bf16_use_amx(int(on)))
+    if library is None:
+        return False
+    if on and amx_probe_result(library) is not None and not amx_probe_result(library).passed:
+        on = False
+    return bool(library.linear_bf16_use_amx(int(on)))
+
+
+def amx_probe_result(library: ctypes.CDLL | None = None) -> amx_probe.AmxProbe | None:
+    """How this library's AMX tiles fared in the child process (probed on the first call); None
+    where the library has no AMX version."""
+    library = load() if library is None else library
+    if library is None or LINEAR_BF16_VERSIONS.get(library.linear_bf16_isa()) not in AMX_VERSIONS:
+        return None
+    return amx_probe.probe_once(library._name)
 
 
 def amx_in_use(library: ctypes.CDLL | None = None) -> bool:

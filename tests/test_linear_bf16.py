@@ -47,7 +47,8 @@ def bf16_library(request) -> ctypes.CDLL:
     # The AMX versions run only once turned on; on real AMX hardware this also fails, rather than
     # testing the dot products under AMX's name, if the OS refuses the process AMX state.
     amx = cpu_native.use_amx(True, library)
-    assert amx == request.param.startswith("amx"), f"{request.param}: AMX tiles {'on' if amx else 'refused'}"
+    assert amx == request.param.startswith("amx"), \
+        f"{request.param}: AMX tiles {'on' if amx else 'off'} ({cpu_native.amx_probe_result(library)})"
     return library
 
 

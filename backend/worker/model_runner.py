@@ -112,6 +112,9 @@ class ModelRunner:
             # serves the LM head of a model whose projections go to oneDNN).
             amx = cpu_native.use_amx(bf16_kernel) if self.dtype == torch.bfloat16 else False
             version = "amx-bf16 (AMX tiles on)" if amx else cpu_native.linear_bf16_version()
+            probe = cpu_native.amx_probe_result() if bf16_kernel and not amx else None
+            if probe is not None and not probe.passed:
+                version = f"{version}, AMX tiles off: {probe.describe()}"
             self.startup_notes.append(
                 f"CPU {detect().describe()}, {str(self.dtype)[6:]} weights: linear layers {self.cpu_linear}"
                 f"{f' ({version} kernel)' if bf16_kernel else ''}"

@@ -329,6 +329,17 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #if AMX_PATH == 4
 /* Plain C tiles with TDPBF16PS's arithmetic: C[m][n] += A[m][2i] B[i][2n], then += A[m][2i+1]
  * B[i][2n+1] (the hardware also flushes denormals, which this does not). */
+/* Faults for the tests of the start-up probe (kernels/amx_probe.py), which runs the tiles in a
+ * child process before the engine turns them on. LINEAR_BF16_EMULATED_FAULT in the environment
+ * (read at each use; emulated builds only): 1 a tile instruction that kills the process (SIGILL,
+ * as a bad configuration would on the hardware), 2 sums missing the odd k of each pair, 3 a call
+ * that never returns, 4 the OS refusing the AMX state. */
+#include <signal.h>
+#include <unistd.h>
+static int emulated_fault(void) {
+    const char *fault = getenv("LINEAR_BF16_EMULATED_FAULT");
+    return fault == NULL ? 0 : atoi(fault);
+}
 static __thread uint8_t emulated_tiles[8][AMX_ROWS * 64];
 static void emulated_load(int t, const void *base, int64_t stride) {
     for (int r = 0; r < AMX_ROWS; ++r) memcpy(emulated_tiles[t] + r * 64, (const uint8_t *)base + r * stride, 64);
@@ -341,6 +352,9 @@ int64_t linear_bf16_emulated_tile_products(void) { return emulated_tile_products
 static void emulated_dp(int c, int a, int b) {
 #pragma omp atomic
     ++emulated_tile_products;
+    const int fault = emulated_fault();
+    if (fault == 1) raise(SIGILL);
+    if (fault == 3) for (;;) pause();
     float acc[AMX_ROWS][16];
     uint16_t lhs[AMX_ROWS][32], rhs[16][32];
     memcpy(acc, emulated_tiles[c], sizeof acc);
@@ -350,7 +364,8 @@ static void emulated_dp(int c, int a, int b) {
         for (int col = 0; col < 16; ++col)
             for (int i = 0; i < 16; ++i) {   /* one product at a time, as Intel's pseudocode adds them */
                 acc[r][col] += bf16_to_f32(lhs[r][2 * i]) * bf16_to_f32(rhs[i][2 * col]);
-                acc[r][col] += bf16_to_f32(lhs[r][2 * i + 1]) * bf16_to_f32(rhs[i][2 * col + 1]);
+                if (fault != 2)
+                    acc[r][col] += bf16_to_f32(lhs[r][2 * i + 1]) * bf16_to_f32(rhs[i][2 * col + 1]);
             }
     memcpy(emulated_tiles[c], acc, sizeof acc);
 }
@@ -359,7 +374,7 @@ static void emulated_dp(int c, int a, int b) {
 #define TILE_ZERO(t) memset(emulated_tiles[t], 0, sizeof emulated_tiles[t])
 #define TILE_DP(c, a, b) emulated_dp(c, a, b)
 #define PREFETCH_TILE(at) ((void)(at))
-static int amx_granted(void) { return 1; }
+static int amx_granted(void) { return emulated_fault() != 4; }
 static void amx_configure(void) {}
 static void amx_release(void) {}
 #else
