@@ -53,7 +53,8 @@ STAGES=${STAGES:-tests linear serve}
 if [[ " $STAGES " == *" tests "* ]]; then
     log "== bfloat16 kernel tests on this CPU"
     # The tiles in a child process first (kernels/amx_probe.py): whether they run here at all.
-    log "$($OURS -c 'import torch; from kernels import cpu_native; print(cpu_native.linear_bf16_version(), cpu_native.amx_probe_result())' 2>&1 | tail -1)"
+    log "$(timeout 120 $OURS -c 'import torch; from kernels import cpu_native as c; r = c.amx_probe_result()
+print(c.linear_bf16_version(), r.describe() if r else "(no AMX version built)")' 2>&1 | tail -1)"
     OMP_NUM_THREADS=2 timeout 150 $OURS -m pytest -q -p no:cacheprovider -rs tests/test_linear_bf16.py > "$WORK/tests.log" 2>&1
     log "tests rc=$?: $(tail -1 "$WORK/tests.log")"
     grep -E "^FAILED|NOT RUN" "$WORK/tests.log" | sort | uniq -c | head -10 | tee -a "$SUMMARY"

@@ -244,12 +244,13 @@ def use_amx(on: bool, library: ctypes.CDLL | None = None) -> bool:
     library = load() if library is None else library
     if library is None:
         return False
-    if on and amx_probe_result(library) is not None and not amx_probe_result(library).passed:
-        on = False
+    if on:
+        probe = amx_probe_result(library)
+        on = probe is None or probe.passed    # None: no AMX version, which the C call answers itself
     return bool(library.linear_bf16_use_amx(int(on)))
 
 
-def amx_probe_result(library: ctypes.CDLL | None = None) -> amx_probe.AmxProbe | None:
+def amx_probe_result(library: ctypes.CDLL | None = None) -> amx_probe.AmxProbeResult | None:
     """How this library's AMX tiles fared in the child process (probed on the first call); None
     where the library has no AMX version."""
     library = load() if library is None else library

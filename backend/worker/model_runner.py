@@ -196,6 +196,8 @@ class ModelRunner:
             "cpu_linear": self.cpu_linear,
             "onednn_batch_hint": self.onednn_batch_hint,
             "fused_layer_ops": self.model.fused_layer_ops,
+            # on or off by the start-up probe (kernels/amx_probe.py): the same build can run either
+            "amx_tiles": self.device.type == "cpu" and cpu_native.amx_in_use(),
             "quantization": self.config.quantization,
             "decode_graphs": self.decode_graphs is not None,
             "lora_slots": None if self.lora_slots is None else [self.config.max_loras, self.config.max_lora_rank],

@@ -327,8 +327,6 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #endif
 
 #if AMX_PATH == 4
-/* Plain C tiles with TDPBF16PS's arithmetic: C[m][n] += A[m][2i] B[i][2n], then += A[m][2i+1]
- * B[i][2n+1] (the hardware also flushes denormals, which this does not). */
 /* Faults for the tests of the start-up probe (kernels/amx_probe.py), which runs the tiles in a
  * child process before the engine turns them on. LINEAR_BF16_EMULATED_FAULT in the environment
  * (read at each use; emulated builds only): 1 a tile instruction that kills the process (SIGILL,
@@ -340,6 +338,8 @@ static int emulated_fault(void) {
     const char *fault = getenv("LINEAR_BF16_EMULATED_FAULT");
     return fault == NULL ? 0 : atoi(fault);
 }
+/* Plain C tiles with TDPBF16PS's arithmetic: C[m][n] += A[m][2i] B[i][2n], then += A[m][2i+1]
+ * B[i][2n+1] (the hardware also flushes denormals, which this does not). */
 static __thread uint8_t emulated_tiles[8][AMX_ROWS * 64];
 static void emulated_load(int t, const void *base, int64_t stride) {
     for (int r = 0; r < AMX_ROWS; ++r) memcpy(emulated_tiles[t] + r * 64, (const uint8_t *)base + r * stride, 64);
