@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 TIMEOUT_S = 60.0                        # a child that has not answered by then is hung (it needs ~0.1 s)
 
 PANEL = 16                              # output columns of a packed panel (linear_bf16.c's NR)
-IN_FEATURES = 64                        # two AMX k chunks of 32
+IN_FEATURES = 96                        # three AMX k chunks of 32: one panel runs two chains and a last chunk
 OUT_FEATURES = 104                      # six whole panels and a partial one
 ROW_STRIDE = IN_FEATURES + 32           # x's rows lie apart, NaN between: a tile must read each row where it is
 ROW_COUNTS = (2, 16, 17, 35)            # the fewest the tiles take; one block; a padded block; three blocks
@@ -53,7 +53,7 @@ def bf16_bits(value: float) -> int:
 
 def exact_value(i: int, j: int, salt: int) -> float:
     """Multiples of 1/4 in [-1, 1], a pattern that repeats every 9 rows and 3 k: products are
-    multiples of 1/16, and any sum of 64 of them (plus a bias of the same kind) is exact in
+    multiples of 1/16, and any sum of 96 of them (plus a bias of the same kind) is exact in
     float32, whatever the order of summation."""
     return ((i * 7 + j * 3 + salt) % 9 - 4) / 4
 
