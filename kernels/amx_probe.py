@@ -12,7 +12,7 @@ killed by a signal, hung, refused the AMX state or wrong leaves the tiles off in
 The child side (``check_tiles_here``) is plain Python and ctypes (no torch): it starts in ~50 ms and runs
 under any Python 3. The parent side is ``probe_once``, one probe per library and process.
 
-    python kernels/amx_probe.py LIBRARY.so     # prints one JSON line; exit status 0 when it ran
+    python kernels/amx_probe.py LIBRARY.so [LIBGOMP.so]   # prints one JSON line; exit status 0 when it ran
 """
 
 from __future__ import annotations
@@ -73,9 +73,13 @@ def packed_weight(weight: list[list[float]]) -> ctypes.Array:
     return packed
 
 
-def check_tiles_here(library_path: str) -> dict[str, object]:
+def check_tiles_here(library_path: str, openmp_runtime: str | None = None) -> dict[str, object]:
     """The child's work: turn the tiles on, run both kernels (float32 out; bfloat16 out with a
-    bias) at every row and thread count, and count the outputs that differ from the exact result."""
+    bias) at every row and thread count, and count the outputs that differ from the exact result.
+    ``openmp_runtime``: the libgomp the parent runs the kernels on (torch's own copy), loaded
+    first so that the child's kernels bind to it too, not to the system's."""
+    if openmp_runtime:
+        ctypes.CDLL(openmp_runtime, mode=ctypes.RTLD_GLOBAL)
     library = ctypes.CDLL(library_path)
     library.linear_bf16_use_amx.restype = ctypes.c_int
     library.linear_bf16_use_amx.argtypes = [ctypes.c_int]
@@ -85,7 +89,7 @@ def check_tiles_here(library_path: str) -> dict[str, object]:
     to_f32.argtypes = common + [ctypes.c_void_p, ctypes.c_int]
     to_bf16.argtypes = common + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     if not library.linear_bf16_use_amx(1):
-        return {"amx_on": False, "checked": 0, "wrong": []}
+        return {"amx_on": False, "checked": 0, "wrong": [], "openmp": openmp_runtime}
     k, n = IN_FEATURES, OUT_FEATURES
     weight = [[exact_value(c, i, 1) for i in range(k)] for c in range(n)]
     packed = packed_weight(weight)
@@ -114,7 +118,7 @@ def check_tiles_here(library_path: str) -> dict[str, object]:
                     wrong.append({"kernel": kernel, "rows": rows, "threads": threads, "status": status,
                                   "mismatches": mismatches})
     library.linear_bf16_use_amx(0)
-    return {"amx_on": True, "checked": checked, "wrong": wrong}
+    return {"amx_on": True, "checked": checked, "wrong": wrong, "openmp": openmp_runtime}
 
 
 class ProbeOutcome(enum.Enum):
@@ -165,6 +169,16 @@ def python_interpreter() -> str | None:
     return None
 
 
+def loaded_openmp_runtime() -> str | None:
+    """The path of the libgomp this process has loaded (torch's, once torch is imported), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "/libgomp" in line]
+    except OSError:
+        return None
+    return paths[0] if paths else None
+
+
 def signal_name(number: int) -> str:
     """SIGILL for 4; real-time signals have no name in ``signal.Signals``."""
     try:
@@ -188,7 +202,8 @@ def _probe(library_path: str, timeout_s: float) -> AmxProbeResult:
         return AmxProbeResult(ProbeOutcome.FAILED, "no Python interpreter to run it in")
     try:
         # -I: the child's sys.path holds neither this folder nor user packages; it needs the stdlib only.
-        done = subprocess.run([python, "-I", str(Path(__file__).resolve()), library_path], capture_output=True,
+        command = [python, "-I", str(Path(__file__).resolve()), library_path, loaded_openmp_runtime() or ""]
+        done = subprocess.run(command, capture_output=True,
                               stdin=subprocess.DEVNULL, text=True, errors="replace", timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return AmxProbeResult(ProbeOutcome.HUNG, f"no answer in {timeout_s:g} s (the child was killed)")
@@ -213,4 +228,4 @@ def _probe(library_path: str, timeout_s: float) -> AmxProbeResult:
 
 
 if __name__ == "__main__":
-    print(json.dumps(check_tiles_here(sys.argv[1])), flush=True)
+    print(json.dumps(check_tiles_here(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)), flush=True)

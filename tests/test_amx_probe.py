@@ -52,7 +52,7 @@ def test_the_child_runs_the_tiles_on_every_panel_group() -> None:
     before = products()
     answer = amx_probe.check_tiles_here(library._name)
     assert answer == {"amx_on": True, "checked": len(amx_probe.ROW_COUNTS) * len(amx_probe.THREAD_COUNTS) * 2,
-                      "wrong": []}
+                      "wrong": [], "openmp": None}
     # one TDPBF16PS per 16-row block, panel and 32 k, whatever the grouping
     blocks = sum(-(-rows // 16) for rows in amx_probe.ROW_COUNTS)
     panels = -(-amx_probe.OUT_FEATURES // amx_probe.PANEL)
@@ -164,3 +164,21 @@ def test_the_start_up_line_says_why_the_tiles_are_off(model_dir, monkeypatch: py
     line = next(note for note in engine.runner.startup_notes if "linear layers" in note)
     assert "amx-emulated, AMX tiles off: AMX probe crashed: the child was killed by SIGILL" in line, line
     assert not cpu_native.amx_in_use(library)
+
+
+def test_the_child_runs_on_the_parents_openmp_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch ships its own libgomp, which the engine's kernels bind to; the child loads that one
+    first, so it runs the tiles on the same runtime (not whatever the system has, or lacks)."""
+    library = emulated_library()
+    runtime = amx_probe.loaded_openmp_runtime()
+    assert runtime is not None and "libgomp" in runtime      # torch is imported, and the kernels loaded
+    seen: list[list[str]] = []
+    real_run = amx_probe.subprocess.run
+
+    def recording_run(command, **kwargs):
+        seen.append(command)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(amx_probe.subprocess, "run", recording_run)
+    assert amx_probe.probe(library._name).passed
+    assert seen[0][-2:] == [library._name, runtime]
