@@ -254,7 +254,7 @@ def amx_probe_result(library: ctypes.CDLL | None = None) -> amx_probe.AmxProbeRe
     """How this library's AMX tiles fared in the child process (probed on the first call); None
     where the library has no AMX version."""
     library = load() if library is None else library
-    if library is None or LINEAR_BF16_VERSIONS.get(library.linear_bf16_isa()) not in AMX_VERSIONS:
+    if library is None or linear_bf16_version(library) not in AMX_VERSIONS:
         return None
     return amx_probe.probe_once(library._name)
 
