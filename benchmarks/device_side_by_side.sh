@@ -61,10 +61,8 @@ print(c.linear_bf16_version(), r.describe() if r else "(no AMX version built)")'
 fi
 if [[ " $STAGES " == *" linear "* ]]; then
     log "== linear paths, the model's 121 matmuls"
-    # amx-one-chain: the AMX version before its two chains for one panel (AMX_TWO_CHAINS=0)
-    OMP_NUM_THREADS=2 timeout 150 taskset -c $PIN $OURS -m benchmarks.cpu_linear --dtype bfloat16 \
-        --rows "${ROWS:-1,2,4,16,64,512}" --rounds 3 --variant amx-one-chain=-DAMX_TWO_CHAINS=0 \
-        --paths native,amx-one-chain,native-noamx,onednn,onednn-hint 2>&1 | tee -a "$SUMMARY" | tail -9
+    OMP_NUM_THREADS=2 timeout 120 taskset -c $PIN $OURS -m benchmarks.cpu_linear --dtype bfloat16 \
+        --rows "${ROWS:-1,2,4,16,64,512}" --rounds 3 --paths native,native-noamx,onednn,onednn-hint 2>&1 | tee -a "$SUMMARY" | tail -9
 fi
 
 tree() { echo "$1"; for child in $(pgrep -P "$1"); do tree "$child"; done; }   # $1 and its descendants

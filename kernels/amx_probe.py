@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 TIMEOUT_S = 60.0                        # a child that has not answered by then is hung (it needs ~0.1 s)
 
 PANEL = 16                              # output columns of a packed panel (linear_bf16.c's NR)
-IN_FEATURES = 96                        # three AMX k chunks of 32: one panel runs two chains and a last chunk
+IN_FEATURES = 96                        # three AMX k chunks of 32 (an odd count)
 OUT_FEATURES = 104                      # six whole panels and a partial one
 ROW_STRIDE = IN_FEATURES + 32           # x's rows lie apart, NaN between: a tile must read each row where it is
 ROW_COUNTS = (2, 16, 17, 35)            # the fewest the tiles take; one block; a padded block; three blocks

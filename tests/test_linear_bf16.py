@@ -155,8 +155,7 @@ def test_float32_copy_path_where_the_kernel_is_missing(monkeypatch) -> None:
 # partial at 130) and the AMX version's (one row by the dot
 # products; blocks of 16 rows, the last one padded; groups of 1, 2 and 4 panels); sizes cover one,
 # two and three panels per tile, partial panels (37, 20 outputs), k not a multiple of 32 (the AMX
-# build's fallback: 130, 8, 2), an odd count of 32-k chunks (96: the AMX version's one-panel
-# chains end on one chain) and SmolLM2's shapes.
+# build's fallback: 130, 8, 2), an odd count of 32-k chunks (96) and SmolLM2's shapes.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 49, 64, 100])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 130), (20, 8), (16, 2), (48, 96)])
 @pytest.mark.parametrize("bias", [False, True])

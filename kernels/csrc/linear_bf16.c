@@ -293,8 +293,7 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
  * The packed weight needs no layout of its own: 16 consecutive pairs of a panel, [16 pairs][16
  * columns][2] bfloat16, are 16 contiguous rows of 64 bytes, which is the B operand TDPBF16PS
  * reads. An A tile is 16 rows of x by 32 k (64 bytes a row at x's row stride); a C tile is 16 x 16
- * float32. Tiles 0-3 hold C (up to AMX_PANELS panels), 4 holds A, 5 and 6 take B in turn (one
- * panel: amx_block_one_panel's two chains, C in 0 and 1, A in 4 and 7, B in 5 and 6).
+ * float32. Tiles 0-3 hold C (up to AMX_PANELS panels), 4 holds A, 5 and 6 take B in turn.
  * Rows go in blocks of 16, read in place; a last partial block is copied into a zeroed one.
  * k must be a multiple of 32 (every hidden size in use is); otherwise, below AMX_MIN_ROWS, and
  * until the engine turns it on (linear_bf16_use_amx: with cpu_linear=native), the version above
@@ -322,9 +321,6 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #define AMX_TILE_ELEMS 512   /* bfloat16 of one B tile: 16 pairs x 16 columns x 2 */
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 2       /* one row streams the weight at the memory's pace without tiles */
-#endif
-#ifndef AMX_TWO_CHAINS
-#define AMX_TWO_CHAINS 1     /* one panel (decode): two accumulators, A and B double-buffered (0: one chain) */
 #endif
 #ifndef AMX_PREFETCH_TILES
 #define AMX_PREFETCH_TILES 4 /* B tiles prefetched ahead in a panel, on the first block of rows (0: none) */
@@ -410,7 +406,7 @@ static void amx_configure(void) {
     struct tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
+    for (int t = 0; t < 7; ++t) {
         config.colsb[t] = 64;
         config.rows[t] = AMX_ROWS;
     }
@@ -449,43 +445,6 @@ static inline __attribute__((always_inline)) void amx_block(const int np, const 
     if (np > 1) TILE_STORE(1, out + 16, stride);
     if (np > 2) TILE_STORE(2, out + 32, stride);
     if (np > 3) TILE_STORE(3, out + 48, stride);
-}
-
-/* amx_block for one panel (every decode step's case), in two chains: even chunks of k into C
- * tile 0 from A tile 4 and B tile 5, odd ones into C tile 1 from tiles 7 and 6, added at the end.
- * Why: with one C, one A and one B tile every TDPBF16PS waits for the one before (the same
- * accumulator), and the next chunk's tile loads wait for it too (tile registers are not renamed),
- * so a panel's chunks ran one after another, load, multiply, load. Two independent chains with
- * their own A and B tiles let one chain's loads overlap the other's multiply. (Built, run on
- * emulated tiles only: the next AMX machine times it against AMX_TWO_CHAINS=0.) */
-static inline __attribute__((always_inline)) void amx_block_one_panel(const int64_t chunks, const uint16_t *x,
-                                                                      const int64_t ldx, const uint16_t *panel,
-                                                                      float *out, const int prefetch) {
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    int64_t c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-        const uint16_t *even = panel + c * AMX_TILE_ELEMS, *odd = even + AMX_TILE_ELEMS;
-        if (prefetch && AMX_PREFETCH_TILES > 0) {
-            PREFETCH_TILE(even + AMX_PREFETCH_TILES * AMX_TILE_ELEMS);
-            PREFETCH_TILE(odd + AMX_PREFETCH_TILES * AMX_TILE_ELEMS);
-        }
-        TILE_LOAD(4, x + c * AMX_K, ldx * 2);
-        TILE_LOAD(5, even, 64);
-        TILE_LOAD(7, x + (c + 1) * AMX_K, ldx * 2);
-        TILE_LOAD(6, odd, 64);
-        TILE_DP(0, 4, 5);
-        TILE_DP(1, 7, 6);
-    }
-    if (c < chunks) {      /* an odd count of chunks: the last one on chain 0 */
-        TILE_LOAD(4, x + c * AMX_K, ldx * 2);
-        TILE_LOAD(5, panel + c * AMX_TILE_ELEMS, 64);
-        TILE_DP(0, 4, 5);
-    }
-    float odd_sums[AMX_ROWS * NR];
-    TILE_STORE(0, out, NR * sizeof(float));
-    TILE_STORE(1, odd_sums, NR * sizeof(float));
-    for (int i = 0; i < AMX_ROWS * NR; ++i) out[i] += odd_sums[i];
 }
 
 /* Panels per group beyond one block of rows: the most (up to AMX_PANELS) whose groups still
@@ -529,12 +488,8 @@ static int linear_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
             const int64_t ncols = n - column < np * NR ? n - column : np * NR;
             for (int64_t b = 0; b < blocks; ++b) {
                 const uint16_t *block_rows = b < full_blocks ? x + b * AMX_ROWS * ldx : tail;
-                const int64_t row_stride = b < full_blocks ? ldx : k;
-                if (AMX_TWO_CHAINS && np == 1)
-                    amx_block_one_panel(chunks, block_rows, row_stride, packed + p0 * panel_stride, out, b == 0);
-                else
-                    amx_block(np, chunks, block_rows, row_stride, packed + p0 * panel_stride, panel_stride, out,
-                              b == 0);
+                amx_block(np, chunks, block_rows, b < full_blocks ? ldx : k, packed + p0 * panel_stride,
+                          panel_stride, out, b == 0);
                 const int64_t r0 = b * AMX_ROWS, mr = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
                 for (int64_t r = 0; r < mr; ++r)
                     for (int64_t c = 0; c < ncols; ++c) {
