@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels import triton_interpreter_enabled
 from kernels.triton_attention import KernelLaunch
@@ -193,7 +194,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, num_rows, inter, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                         BF16_BY_BITS: tl.constexpr):
+                         BF16_BY_BITS: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
     mask = (rows < num_rows) & (cols < inter)
@@ -202,7 +203,11 @@ def _silu_and_mul_kernel(x_ptr, num_rows, inter, stride_row, BLOCK_ROWS: tl.cons
     gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_at + inter, mask=mask, other=0.0).to(tl.float32)
     # torch's two ops: SiLU (x / (1 + exp(-x)), rounded to the dtype), then the product, rounded.
-    silu = _round(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, BF16_BY_BITS).to(tl.float32)
+    # On a GPU libdevice's exp, as torch's CUDA kernel calls expf: tl.exp there is exp2 of
+    # x * log2(e), whose rounded product put the result ~10 float32 units off at |x| ~ 30 (an
+    # H100). The interpreter has no libdevice; its tl.exp is numpy's, accurate.
+    e = libdevice.exp(-gate) if LIBDEVICE_EXP else tl.exp(-gate)
+    silu = _round(tl.div_rn(gate, 1.0 + e), dtype, BF16_BY_BITS).to(tl.float32)
     tl.store(gate_at, _round(silu * up, dtype, BF16_BY_BITS), mask=mask)
 
 
@@ -215,7 +220,8 @@ def silu_and_mul_launch(gate_up: torch.Tensor, inter: int) -> KernelLaunch:
     return KernelLaunch(
         _silu_and_mul_kernel, (triton.cdiv(rows, block_rows), triton.cdiv(inter, block_cols)),
         (gate_up, rows, inter, gate_up.stride(0)),
-        dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16_BY_BITS=_bf16_by_bits(gate_up.dtype)),
+        dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16_BY_BITS=_bf16_by_bits(gate_up.dtype),
+             LIBDEVICE_EXP=not _INTERPRETED),
         dict(num_warps=4, enable_fp_fusion=False))
 
 
