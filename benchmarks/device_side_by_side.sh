@@ -109,7 +109,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
                 --dtype "${run#vllm-}" --host 127.0.0.1 --port 8100 > "$WORK/server_$run.log" 2>&1 &
             pid=$!
             cd "$REPO"
-            if ! ready http://127.0.0.1:8100/health 200; then
+            if ! ready http://127.0.0.1:8100/health 420; then   # its first torch.compile warm-up took ~130 s
                 log "$run: not ready"; tail -20 "$WORK/server_$run.log"; stop $pid 8100; continue
             fi
             pin $pid
