@@ -59,8 +59,9 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
     | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.34x prepacked oneDNN at 16 rows     |
     | bfloat16 | AMX-BF16                 | onednn | 1.12x our dot products at 16 rows (Xeon, 2 cores);     |
-    |          |                          |        | our AMX version not measured: ``auto`` times both at   |
-    |          |                          |        | start-up there (backend/model/cpu_linear_tuning.py)    |
+    |          |                          |        | with our AMX version built, ``auto`` times both at     |
+    |          |                          |        | start-up (backend/model/cpu_linear_tuning.py): the     |
+    |          |                          |        | tiles won every timing so far, by 1.14-1.7x           |
     | bfloat16 | AVX2 + FMA, no bf16 math | native | our kernel's AVX2 version (widening): see the docs     |
     | other    | any                      | torch  | F.linear                                              |
 
@@ -104,9 +105,12 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
 
 
 def rule_is_measured(dtype: torch.dtype, features: CpuFeatures | None = None) -> bool:
-    """Whether ``resolve_cpu_linear``'s ``auto`` rests on a measurement for this dtype and CPU. The
-    one cell without: bfloat16 on AMX where our kernel's AMX version is built (oneDNN won against
-    our dot products there; the tiles have not been timed on AMX hardware)."""
+    """Whether ``resolve_cpu_linear``'s ``auto`` is taken as it stands for this dtype and CPU. The
+    one cell that is timed at start-up instead: bfloat16 on AMX where our kernel's AMX version is
+    built. oneDNN won against our dot products there; the tiles beat oneDNN in all three timings
+    on two Xeons (2026-11-26: 1.14-1.7x at 16 rows, 1.14-1.37x at 512), but by margins that
+    varied by machine, and the AMX probe may still turn the tiles off, so the engine keeps timing
+    them where it runs (docs/benchmarks.md, "Side by side in one call on the H100 machine's Xeon")."""
     features = features or detect()
     return not (dtype == torch.bfloat16 and features.isa == CpuIsa.AMX_BF16
                 and cpu_native.linear_bf16_version() == "amx-bf16")
