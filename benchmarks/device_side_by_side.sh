@@ -6,20 +6,21 @@
 # while the machine is warm (it goes back 30 s after a call):
 #
 #   run(command="benchmarks/device_side_by_side.sh stash", carry=[".pk1"])       # at once, then
-#   run(command="STAGES='tests prewarm' benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel", ".whl"])
-#   run(command="STAGES=serve benchmarks/device_side_by_side.sh run")           # within 30 s again
+#   run(command="STAGES='tests prewarm' benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel", ".whl", ".peerlibs"])
+#   run(command="STAGES=serve benchmarks/device_side_by_side.sh run", carry=[".devmodel", ".peerlibs"])  # within 30 s
 #
 # (a stash call per piece but the last). .devmodel/ holds the model folder's config.json and
 # tokenizer, no weights: both servers load random ones (--load-format dummy; the checkpoint does
-# not fit a call); a later call may leave it out (models/ stays while the machine is warm).
-# `run` does STAGES (default "tests linear serve", ~8 minutes): our bfloat16 kernels' tests on
+# not fit a call). Carry it (and .peerlibs/) in every call that serves: a call's ignored paths
+# did not outlive it there (2026-11-26), while /tmp did. `run` does STAGES (default "tests linear
+# serve"; each call above names its own): our bfloat16 kernels' tests on
 # that CPU (the AMX version runs there), the linear paths timed, then RUNS served with
 # benchmarks.serving, workloads A and B. RUNS items: `ours` plus engine parameters joined by "+"
-# (ours+cpu_linear=native), or vllm-DTYPE; vLLM goes first by default, so nothing of ours has run
-# on the machine when it is measured. Stage `prewarm` starts every vllm-DTYPE of RUNS at once and
-# stops them once ready: vLLM's first torch.compile warm-up takes 2-3.5 minutes, and its compile
-# cache then shortens the measured starts, so that the three served runs fit the 10 minutes of
-# one call (the calls above). Results: $OUT/summary.txt and $OUT/results.tar.gz (JSON, logs).
+# (ours+cpu_linear=native), or vllm-DTYPE, vllm-DTYPE+preload (with the LD_PRELOAD of its docs).
+# vLLM goes first by default, so nothing of ours has run on the machine when it is measured.
+# Stage `prewarm` starts vLLM once per dtype of RUNS, all at once, and stops them once ready:
+# vLLM's first torch.compile warm-up takes 2-3.5 minutes, and its compile cache then shortens
+# the measured starts, so that the default four served runs may fit the 10 minutes of one call. Results: $OUT/summary.txt and $OUT/results.tar.gz (JSON, logs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -55,7 +56,7 @@ if [ -f .devmodel/config.json ]; then
 elif [ ! -f models/smollm2-135m-instruct/config.json ]; then
     log "no model folder: carry .devmodel (benchmarks/device_pack.sh makes it)"; exit 1
 fi
-{ date -u; lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node0'
+{ date -u; echo "kernel $(uname -r)"; lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node0'
   grep -o -E 'avx512[a-z_0-9]*|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
   $OURS -c 'import torch, numpy, transformers; print("ours:", torch.__version__, numpy.__version__, transformers.__version__)'
   PYTHONPATH=/tmp/vsite python3 -c 'import vllm; print("vllm:", vllm.__version__)' 2>&1 | tail -1; } | tee -a "$SUMMARY"
@@ -102,18 +103,27 @@ stop() {  # process $1 (Ctrl-C: our launcher drains and stops its server), then 
 bench() { timeout 200 taskset -c $PIN $OURS -m benchmarks.serving --server "$1" --workloads A,B --json "$WORK/$2.json" \
               > "$WORK/$2.txt" 2>&1
           log "$2 rc=$?"; grep -E "^\| (ours|vllm)|failure" "$WORK/$2.txt" | tee -a "$SUMMARY"; }
-RUNS=${RUNS:-vllm-bfloat16 ours vllm-float32}
-vllm_server() {  # vllm_server DTYPE PORT CPUS LOG: one vLLM CPU server in the background, from /tmp
-    (cd /tmp && VLLM_CPU_OMP_THREADS_BIND=$3 VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite exec setsid python3 -m \
+RUNS=${RUNS:-vllm-bfloat16+preload ours vllm-bfloat16 vllm-float32+preload}   # most wanted first
+# vLLM's CPU docs ask to LD_PRELOAD tcmalloc and Intel's OpenMP runtime for its best speed; the
+# image has neither, benchmarks/device_pack.sh puts both in .peerlibs/ (carry it).
+PRELOAD=$REPO/.peerlibs/libtcmalloc_minimal.so.4:$REPO/.peerlibs/libiomp5.so
+vllm_server() {  # vllm_server DTYPE[+preload] PORT CPUS LOG: one vLLM CPU server in the background, from /tmp
+    local preload=
+    if [[ $1 == *+preload ]]; then
+        preload=$PRELOAD
+        [ -f .peerlibs/libiomp5.so ] || log "no .peerlibs/: vLLM runs without its preload"
+    fi
+    (cd /tmp && LD_PRELOAD=$preload VLLM_CPU_OMP_THREADS_BIND=$3 VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite \
+        exec setsid python3 -m \
         vllm.entrypoints.openai.api_server --model "$REPO/models/smollm2-135m-instruct" --load-format dummy \
-        --dtype "$1" --host 127.0.0.1 --port "$2" > "$4" 2>&1) &
+        --dtype "${1%+preload}" --host 127.0.0.1 --port "$2" > "$4" 2>&1) &
 }
 if [[ " $STAGES " == *" prewarm "* ]]; then
     # Their OpenMP threads bound as in the measured runs: Inductor's C++ kernels may fix their
     # thread count when compiled. The compiling itself runs on the other CPUs, as in those runs.
     log "== vLLM warm-ups (compile cache)"
     pids=(); port=8200
-    for dtype in $(tr ' ' '\n' <<< "$RUNS" | sed -n 's/^vllm-//p'); do
+    for dtype in $(tr ' ' '\n' <<< "$RUNS" | sed -n 's/^vllm-\([a-z0-9]*\).*/\1/p' | sort -u); do
         vllm_server "$dtype" $port $PIN "$WORK/prewarm_$dtype.log"
         pids+=("$! $port $dtype"); port=$((port + 1))
     done

