@@ -15,10 +15,15 @@ machines are shared; the best round counts), and their outputs are compared.
   instead of sitting in L3), blocks shuffled or consecutive. Figure of merit: K+V bytes read
   per second.
 - prefill: one fresh ``--prompt``-token prompt. Figure of merit: causal attention GFLOP/s.
+  ``--sdpa`` also times torch's ``F.scaled_dot_product_attention`` (causal, GQA) on the same
+  prompt with K and V contiguous, as a fresh prompt's are before they reach the cache: whether
+  torch's CPU flash attention (oneDNN's kernels, AMX where the CPU has it) would serve prompts
+  faster than ours. Its output is compared with ours.
 
     python -m benchmarks.cpu_attention                      # SmolLM2-135M's shape (9 heads, 3 KV heads, 64)
     python -m benchmarks.cpu_attention --block-order consecutive   # a fresh server's cache layout
     python -m benchmarks.cpu_attention --context 128 --against HEAD~1  # this tree's kernels against a commit's
+    python -m benchmarks.cpu_attention --sdpa --layers 1 --rounds 5    # prefill: ours against torch's SDPA
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      "for what an AVX-512 CPU without bfloat16 dot products runs")
     parser.add_argument("--against", metavar="REV", help="compare with the kernels of this git revision "
                                                          "instead of the generic build")
+    parser.add_argument("--sdpa", action="store_true", help="also time torch's scaled_dot_product_attention "
+                                                             "on the prefill")
     args = parser.parse_args(argv)
     extra = tuple(args.cflags.split())
     libraries = {"engine": cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra))}
@@ -142,12 +149,39 @@ def main(argv: list[str] | None = None) -> None:
         def prefill(name: str) -> Callable[[], None]:
             return lambda: cpu_native.paged_prefill_attention(query, outs[name], starts, query_lens, seq_lens, tables,
                                                               key_cache, value_cache, scale, library=libraries[name])
-        best = best_of(args.rounds, {name: prefill(name) for name in libraries})
+        runs = {name: prefill(name) for name in libraries}
+        if args.sdpa:
+            runs["sdpa"] = sdpa_prefill(query, key_cache, value_cache, tables[0], args.block_size, scale, outs)
+        best = best_of(args.rounds, runs)
         flops = 2 * 2 * args.heads * args.head_dim * args.prompt * (args.prompt + 1) / 2
-        diff = (outs["engine"].float() - outs[other].float()).abs().max().item()
-        print(f"| {dtype} | prefill {args.prompt} tokens | {path} | {best['engine'] * 1e3:.2f} | "
-              f"{best[other] * 1e3:.2f} | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
-              f"{flops / best[other] / 1e9:.0f} GFLOP/s | {best[other] / best['engine']:.2f}x | {diff:.1e} |")
+        for name in runs:
+            if name == "engine":
+                continue
+            diff = (outs["engine"].float() - outs[name].float()).abs().max().item()
+            function = path if name != "sdpa" else "torch SDPA (contiguous K, V)"
+            print(f"| {dtype} | prefill {args.prompt} tokens | {function} | {best['engine'] * 1e3:.2f} | "
+                  f"{best[name] * 1e3:.2f} ({name}) | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
+                  f"{flops / best[name] / 1e9:.0f} GFLOP/s | {best[name] / best['engine']:.2f}x | {diff:.1e} |")
+
+
+def sdpa_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+                 block_size: int, scale: float, outs: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """A run of causal GQA ``F.scaled_dot_product_attention`` over the prompt in ``query``, its K and
+    V gathered once (outside the timing) from the paged cache; it writes ``outs["sdpa"]`` in our
+    layout [tokens, heads, head_dim]."""
+    tokens = query.shape[0]
+    blocks = table[:-(-tokens // block_size)].long()
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:     # [1, kv_heads, tokens, head_dim]
+        return cache[blocks].flatten(0, 1)[:tokens].transpose(0, 1).unsqueeze(0).contiguous()
+    key, value = contiguous(key_cache), contiguous(value_cache)
+    q = query.transpose(0, 1).unsqueeze(0).contiguous()       # [1, heads, tokens, head_dim]
+
+    def run() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
+        outs["sdpa"] = out[0].transpose(0, 1)
+    return run
 
 
 if __name__ == "__main__":

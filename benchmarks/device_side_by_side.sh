@@ -6,7 +6,7 @@
 # while the machine is warm (it goes back 30 s after a call):
 #
 #   run(command="benchmarks/device_side_by_side.sh stash", carry=[".pk1"])       # at once, then
-#   run(command="STAGES='tests prewarm' benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel", ".whl", ".peerlibs"])
+#   run(command="STAGES='tests attention prewarm' benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel", ".whl", ".peerlibs"])
 #   run(command="STAGES=serve benchmarks/device_side_by_side.sh run", carry=[".devmodel", ".peerlibs"])  # within 30 s
 #
 # (a stash call per piece but the last). .devmodel/ holds the model folder's config.json and
@@ -77,6 +77,14 @@ if [[ " $STAGES " == *" linear "* ]]; then
     log "== linear paths, the model's 121 matmuls"
     OMP_NUM_THREADS=2 timeout 120 taskset -c $PIN $OURS -m benchmarks.cpu_linear --dtype bfloat16 \
         --rows "${ROWS:-1,2,4,16,64,512}" --rounds 3 --paths native,native-noamx,onednn,onednn-hint 2>&1 | tee -a "$SUMMARY" | tail -9
+fi
+
+if [[ " $STAGES " == *" attention "* ]]; then
+    # Prefill attention was half a 512-token prefill step here (107 of ~200 ms, 2026-11-26): ours
+    # against torch's SDPA (oneDNN's flash attention, AMX on this CPU), decode ours against generic.
+    log "== attention, ours against torch SDPA and the generic build"
+    OMP_NUM_THREADS=2 timeout 150 taskset -c $PIN $OURS -m benchmarks.cpu_attention --sdpa --dtypes bfloat16,float32 \
+        --rounds 5 2>&1 | tee -a "$SUMMARY" | tail -7
 fi
 
 tree() { echo "$1"; for child in $(pgrep -P "$1"); do tree "$child"; done; }   # $1 and its descendants
