@@ -169,3 +169,15 @@ def test_cpu_attention_benchmark_against_a_revision() -> None:
     assert "| HEAD ms |" in done.stdout, done.stdout
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| torch.")]
     assert len(rows) == 2 and all(float(row[8]) < 1e-2 for row in rows), done.stdout
+
+
+def test_cpu_attention_benchmark_against_torch_sdpa() -> None:
+    """``--sdpa`` adds, per dtype, a prefill row for torch's scaled_dot_product_attention on the same
+    prompt, and its output matches ours (a wrong gather, transpose or GQA mapping would not)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_attention", "--seqs", "3", "--context", "40",
+                           "--layers", "1", "--prompt", "37", "--rounds", "1", "--sdpa"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if "torch SDPA" in line]
+    assert [row[0].strip() for row in rows] == ["torch.float32", "torch.bfloat16"], done.stdout
+    assert float(rows[0][8]) < 1e-5 and float(rows[1][8]) < 3e-2, done.stdout
