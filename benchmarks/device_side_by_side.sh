@@ -34,7 +34,7 @@ OUT=${OUT:-/tmp/out}; WORK=$OUT/work; mkdir -p "$WORK"
 SUMMARY=$OUT/summary.txt
 log() { echo "$*" | tee -a "$SUMMARY"; }
 if [ ! -e /tmp/pack.unpacked ]; then      # unpacked whole, or not at all
-    rm -rf /tmp/unpack && mkdir /tmp/unpack
+    rm -rf /tmp/unpack /tmp/osite.whl && mkdir /tmp/unpack
     (cd /tmp/unpack && cat /tmp/pack/part* | xz -d -T0 | tar -x) || { log "unpacking failed: pieces missing?"; exit 1; }
     rm -rf /tmp/vsite /tmp/osite && mv /tmp/unpack/vsite /tmp/unpack/osite /tmp/ && touch /tmp/pack.unpacked
 fi
