@@ -63,6 +63,19 @@ fi
 
 export CUDA_VISIBLE_DEVICES=    # the CPU side by side: nothing may land on the GPU
 PIN=0-1
+# Does taskset hold here? 4 busy processes pinned to 2 CPUs take ~2x as long as 2 where it does
+# (the device kinds have run under Firecracker and gVisor; vLLM served 0.55-0.59x as much on one
+# Xeon as on another, 2026-11-26, with the same pinning).
+busy() { taskset -c $PIN python3 -c "
+import multiprocessing as mp, time
+def spin(_):
+    x = 0
+    for i in range(20_000_000): x += i
+if __name__ == '__main__':
+    start = time.perf_counter()
+    with mp.Pool($1) as pool: pool.map(spin, range($1))
+    print(f'{time.perf_counter() - start:.2f}')"; }
+log "taskset check: 2 busy processes on CPUs $PIN took $(busy 2) s, 4 took $(busy 4) s (~2x: the pinning holds)"
 STAGES=${STAGES:-tests linear serve}
 if [[ " $STAGES " == *" tests "* ]]; then
     log "== bfloat16 kernel tests on this CPU"
