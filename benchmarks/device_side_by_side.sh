@@ -13,14 +13,16 @@
 # tokenizer, no weights: both servers load random ones (--load-format dummy; the checkpoint does
 # not fit a call). Carry it (and .peerlibs/) in every call that serves: a call's ignored paths
 # did not outlive it there (2026-11-26), while /tmp did. `run` does STAGES (default "tests linear
-# serve"; each call above names its own): our bfloat16 kernels' tests on
-# that CPU (the AMX version runs there), the linear paths timed, then RUNS served with
-# benchmarks.serving, workloads A and B. RUNS items: `ours` plus engine parameters joined by "+"
-# (ours+cpu_linear=native), or vllm-DTYPE, vllm-DTYPE+preload (with the LD_PRELOAD of its docs).
-# vLLM goes first by default, so nothing of ours has run on the machine when it is measured.
-# Stage `prewarm` starts vLLM once per dtype of RUNS, all at once, and stops them once ready:
-# vLLM's first torch.compile warm-up takes 2-3.5 minutes, and its compile cache then shortens
-# the measured starts, so that the default four served runs may fit the 10 minutes of one call. Results: $OUT/summary.txt and $OUT/results.tar.gz (JSON, logs).
+# serve"; each call above names its own): `tests`, our bfloat16 kernels' tests on that CPU (the
+# AMX version runs there); `linear`, the linear paths timed; `attention`, our attention against
+# torch's SDPA for prompts (~1 minute); `prewarm`, vLLM started once per dtype of RUNS, all at
+# once, and stopped once ready (its first torch.compile warm-up takes 2-3.5 minutes; its compile
+# cache then shortens the measured starts, so that the default four served runs may fit the 10
+# minutes of one call); `serve`, RUNS served with benchmarks.serving, workloads A and B. RUNS
+# items: `ours` plus engine parameters joined by "+" (ours+cpu_linear=native), vllm-DTYPE, or
+# vllm-DTYPE+preload (with the LD_PRELOAD of vLLM's docs). vLLM goes first by default, so nothing
+# of ours has run on the machine when it is measured. Results: $OUT/summary.txt and
+# $OUT/results.tar.gz (JSON, logs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -128,16 +130,16 @@ RUNS=${RUNS:-vllm-bfloat16+preload ours vllm-bfloat16 vllm-float32+preload}   # 
 # vLLM's CPU docs ask to LD_PRELOAD tcmalloc and Intel's OpenMP runtime for its best speed; the
 # image has neither, benchmarks/device_pack.sh puts both in .peerlibs/ (carry it).
 PRELOAD=$REPO/.peerlibs/libtcmalloc_minimal.so.4:$REPO/.peerlibs/libiomp5.so
-vllm_server() {  # vllm_server DTYPE[+preload] PORT CPUS LOG: one vLLM CPU server in the background, from /tmp
+vllm_server() {  # vllm_server DTYPE[+preload] PORT LOG: one vLLM CPU server, OpenMP on $PIN, in the background
     local preload=
     if [[ $1 == *+preload ]]; then
         preload=$PRELOAD
         [ -f .peerlibs/libiomp5.so ] || log "no .peerlibs/: vLLM runs without its preload"
     fi
-    (cd /tmp && LD_PRELOAD=$preload VLLM_CPU_OMP_THREADS_BIND=$3 VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite \
+    (cd /tmp && LD_PRELOAD=$preload VLLM_CPU_OMP_THREADS_BIND=$PIN VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=/tmp/vsite \
         exec setsid python3 -m \
         vllm.entrypoints.openai.api_server --model "$REPO/models/smollm2-135m-instruct" --load-format dummy \
-        --dtype "${1%+preload}" --host 127.0.0.1 --port "$2" > "$4" 2>&1) &
+        --dtype "${1%+preload}" --host 127.0.0.1 --port "$2" > "$3" 2>&1) &
 }
 if [[ " $STAGES " == *" prewarm "* ]]; then
     # Their OpenMP threads bound as in the measured runs: Inductor's C++ kernels may fix their
@@ -145,7 +147,7 @@ if [[ " $STAGES " == *" prewarm "* ]]; then
     log "== vLLM warm-ups (compile cache)"
     pids=(); port=8200
     for dtype in $(tr ' ' '\n' <<< "$RUNS" | sed -n 's/^vllm-\([a-z0-9]*\).*/\1/p' | sort -u); do
-        vllm_server "$dtype" $port $PIN "$WORK/prewarm_$dtype.log"
+        vllm_server "$dtype" $port "$WORK/prewarm_$dtype.log"
         pids+=("$! $port $dtype"); port=$((port + 1))
     done
     for entry in "${pids[@]}"; do
@@ -174,7 +176,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
             bench ours=triton@127.0.0.1:8000 "$run"
             stop $pid 8000 ;;
         vllm*)
-            vllm_server "${run#vllm-}" 8100 $PIN "$WORK/server_$run.log"
+            vllm_server "${run#vllm-}" 8100 "$WORK/server_$run.log"
             pid=$!
             if ! ready http://127.0.0.1:8100/health 420 $pid; then   # its first torch.compile warm-up: 130-210 s
                 log "$run: not ready"; tail -20 "$WORK/server_$run.log"; stop $pid 8100; continue

@@ -61,7 +61,7 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
     | bfloat16 | AMX-BF16                 | onednn | 1.12x our dot products at 16 rows (Xeon, 2 cores);     |
     |          |                          |        | with our AMX version built, ``auto`` times both at     |
     |          |                          |        | start-up (backend/model/cpu_linear_tuning.py): the     |
-    |          |                          |        | tiles won every timing so far, by 1.14-1.7x           |
+    |          |                          |        | tiles won every timing so far, by 1.14-1.7x            |
     | bfloat16 | AVX2 + FMA, no bf16 math | native | our kernel's AVX2 version (widening): see the docs     |
     | other    | any                      | torch  | F.linear                                              |
 

@@ -3,9 +3,10 @@
 ``resolve_cpu_linear``'s rule comes from ``benchmarks.cpu_linear`` runs on the CPUs measured so
 far (docs/benchmarks.md). One cell is timed instead: bfloat16 on a CPU with AMX, where our
 kernel's AMX-tile version competes with oneDNN's own AMX path (the tiles won each of the three
-timings on two Xeons so far, by margins that varied by machine). There, and wherever ``cpu_linear=measure`` asks, the engine times every path that
-runs here on the model's own projection shapes, before it loads the weights, and takes the
-fastest; the start-up log gives the figures.
+timings on two Xeons so far, by margins that varied by machine). There, and wherever
+``cpu_linear=measure`` asks, the engine times every path that runs here on the model's own
+projection shapes, before it loads the weights, and takes the fastest; the start-up log gives
+the figures.
 
 - **What is timed:** the model's decoder projections, layer by layer, at ``DECODE_ROWS`` rows (a
   decode step of that many sequences), each packed from the first layer's random weights into
