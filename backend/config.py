@@ -14,6 +14,8 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # CPU linear layers (backend/model/cpu_linear.py resolves "auto").
 CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch", "measure")
+# The kernel for fresh prompts' attention on CPU (backend/model/prefill_attention_choice.py resolves "auto").
+CPU_PREFILL_ATTENTION_CHOICES = ("auto", "native", "sdpa", "measure")
 
 
 # Keys an earlier release took, and their names now: a deployed config.pbtxt keeps working.
@@ -67,6 +69,11 @@ class EngineConfig:
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear, timed
                                                # at start-up where it has no figures; measure: always timed
                                                # (backend/model/cpu_linear_tuning.py)
+    cpu_prefill_attention: Literal["auto", "native", "sdpa", "measure"] = "auto"  # CPU attention of fresh prompts:
+                                               # our C kernel or torch's SDPA in the cache's dtype (oneDNN,
+                                               # AMX tiles where present); auto: ours without AVX-512 (measured),
+                                               # timed at start-up elsewhere; measure: always timed
+                                               # (backend/model/prefill_attention_choice.py)
     fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
                                                # backend (kernels/triton_layer_ops.py); false: torch ops
@@ -141,6 +148,8 @@ class EngineConfig:
               "need 1 <= max_long_partial_prefills <= max_num_partial_prefills")
         check(self.quantization in ("none", "int8"), "quantization must be none or int8")
         check(self.cpu_linear in CPU_LINEAR_CHOICES, f"cpu_linear must be one of {CPU_LINEAR_CHOICES}")
+        check(self.cpu_prefill_attention in CPU_PREFILL_ATTENTION_CHOICES,
+              f"cpu_prefill_attention must be one of {CPU_PREFILL_ATTENTION_CHOICES}")
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")

@@ -18,6 +18,7 @@ head of the last token; norms, RoPE and activations are left out (they are memor
 
     python -m benchmarks.prefill_roofline                       # both dtypes, 512 tokens
     python -m benchmarks.prefill_roofline --json benchmarks/results/prefill_roofline-cpu-X.json
+    python -m benchmarks.prefill_roofline --prefill-attention native,sdpa   # fresh prompts: ours vs SDPA
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-iters", type=int, default=100_000_000, help="per thread and round (~0.2 s at 3 GHz)")
     parser.add_argument("--load-format", default=EngineConfig.load_format,
                         help="dummy: random weights of the folder's shapes (same step time; for a machine without the weights)")
+    parser.add_argument("--prefill-attention", default="auto",
+                        help="cpu_prefill_attention values, comma-separated: each dtype's step with each, alternating")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
@@ -213,11 +216,12 @@ def main(argv: list[str] | None = None) -> None:
 
     dtypes = args.dtypes.split(",")
     blocks = -(-args.tokens // 16) + 4
-    engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=1, num_kv_blocks=blocks,
-                                          max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 16,
-                                          itl_target_ms=0.0, enable_prefix_caching=False,
-                                          load_format=args.load_format))
-               for dtype in dtypes}
+    variants = [(dtype, attention) for dtype in dtypes for attention in args.prefill_attention.split(",")]
+    engines = {(dtype, attention): Engine(EngineConfig(
+                   model=args.model, dtype=dtype, max_num_seqs=1, num_kv_blocks=blocks,
+                   max_num_batched_tokens=args.tokens, max_model_len=args.tokens + 16, itl_target_ms=0.0,
+                   enable_prefix_caching=False, load_format=args.load_format, cpu_prefill_attention=attention))
+               for dtype, attention in variants}
     seconds = prefill_step_seconds(engines, args.tokens, args.rounds)
     flops = prefill_flops(arch, args.tokens)
 
@@ -226,20 +230,27 @@ def main(argv: list[str] | None = None) -> None:
           f"(projections {flops.projections / 1e9:.1f}, attention {flops.attention / 1e9:.1f})")
     print(f"FMA peak: float32 {peaks['float32']:.0f} GFLOP/s, bfloat16 dot products "
           + (f"{peaks['bfloat16']:.0f} GFLOP/s" if peaks["bfloat16"] else "none on this CPU (widened to float32)"))
-    print("| dtype | linear path | step ms | prompt tokens/s | GFLOP/s | of ISA peak | best matmul GFLOP/s | of best matmul |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dtype | linear path | prompt attention | step ms | prompt tokens/s | GFLOP/s | of ISA peak "
+          "| best matmul GFLOP/s | of best matmul |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for dtype, engine in engines.items():
-        matmul = best_matmul_gflops(arch, getattr(torch, dtype), args.tokens)
+    matmuls: dict[str, dict[str, float]] = {}
+    for (dtype, attention), engine in engines.items():
+        if dtype not in matmuls:
+            matmuls[dtype] = best_matmul_gflops(arch, getattr(torch, dtype), args.tokens)
+        matmul = matmuls[dtype]
         best_matmul = max(matmul.values()) if matmul else float("nan")
-        achieved = flops.total / seconds[dtype] / 1e9
-        row = {"dtype": dtype, "linear_path": engine.runner.cpu_linear, "step_ms": round(seconds[dtype] * 1e3, 1),
-               "prompt_tokens_per_s": round(args.tokens / seconds[dtype], 1), "gflops": round(achieved, 1),
+        step_seconds = seconds[dtype, attention]
+        achieved = flops.total / step_seconds / 1e9
+        row = {"dtype": dtype, "linear_path": engine.runner.cpu_linear,
+               "prefill_attention": engine.runner.model.prefill_attention.value,
+               "step_ms": round(step_seconds * 1e3, 1),
+               "prompt_tokens_per_s": round(args.tokens / step_seconds, 1), "gflops": round(achieved, 1),
                "isa_peak_gflops": round(isa_peak[dtype], 1), "of_isa_peak": round(achieved / isa_peak[dtype], 3),
                "matmul_gflops": {name: round(rate, 1) for name, rate in matmul.items()},
                "of_best_matmul": round(achieved / best_matmul, 3)}
         rows.append(row)
-        print(f"| {dtype} | {row['linear_path']} | {row['step_ms']} | {row['prompt_tokens_per_s']} | {row['gflops']} "
+        print(f"| {dtype} | {row['linear_path']} | {row['prefill_attention']} | {row['step_ms']} | {row['prompt_tokens_per_s']} | {row['gflops']} "
               f"| {row['of_isa_peak']:.0%} | " + ", ".join(f"{n} {r:.0f}" for n, r in matmul.items())
               + f" | {row['of_best_matmul']:.0%} |")
     if args.json:

@@ -15,7 +15,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_attention import CpuAttentionPlan, paged_attention_cpu, plan_attention_cpu, reshape_and_cache_cpu
+from kernels.cpu_attention import (CpuAttentionPlan, PrefillAttention, paged_attention_cpu, plan_attention_cpu,
+                                   reshape_and_cache_cpu)
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -44,11 +45,13 @@ def _triton() -> ModuleType:
 
 
 def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   slot_mapping: torch.Tensor, block_size: int, backend: str) -> CpuAttentionPlan | None:
-    """Per-step work shared by every layer (the CPU path's gather indices); None for the
-    backends that need none."""
+                   slot_mapping: torch.Tensor, block_size: int, backend: str,
+                   prefill_attention: PrefillAttention = PrefillAttention.NATIVE) -> CpuAttentionPlan | None:
+    """Per-step work shared by every layer (the CPU path's gather indices, and which kernel
+    attends its fresh prompts); None for the backends that need none."""
     if backend == "cpu":
-        return plan_attention_cpu(query_start_loc, seq_lens, block_tables, slot_mapping, block_size)
+        return plan_attention_cpu(query_start_loc, seq_lens, block_tables, slot_mapping, block_size,
+                                  prefill_attention)
     return None
 
 
@@ -83,6 +86,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return paged_attention_reference(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
-__all__ = ["BACKENDS", "CpuAttentionPlan", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
+__all__ = ["BACKENDS", "CpuAttentionPlan", "PrefillAttention", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
            "triton_interpreter_enabled",
            "paged_attention_reference", "reshape_and_cache_reference"]

@@ -20,12 +20,18 @@ layer reuses them:
   kernel (float32 or bfloat16 pages, flash-attention style, causal blocks skipped; all of a
   step's prefills in one call). Without it, each runs one SDPA call over its gathered
   float32 context with the causal mask aligned to the end of the cached context.
+- Fresh prompts (no cached context) may instead go to torch's SDPA in the cache's own dtype
+  (``PrefillAttention.SDPA``, chosen at start-up by backend/model/prefill_attention_choice.py):
+  its flash kernel runs oneDNN's brgemm, which uses AMX tiles for bfloat16 where the CPU has
+  them, and no kernel of ours does for attention. On the AVX2 Zen 3 ours ran 2.2-2.45x SDPA's
+  speed, so there it is never chosen.
 
 Scores and softmax are float32 whatever the cache dtype, as in the reference.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -33,6 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+
+
+class PrefillAttention(str, enum.Enum):
+    """Which kernel attends a fresh prompt (a prefill without cached context) on CPU. Chunks
+    with cached context (chunked prefill, prefix hits) always take ours."""
+    NATIVE = "native"    # our C prefill kernel
+    SDPA = "sdpa"        # torch's scaled_dot_product_attention (flash, in the cache's dtype)
 
 
 @dataclass
@@ -75,6 +88,9 @@ class CpuAttentionPlan:
     block_tables: torch.Tensor           # [num_seqs, max_blocks]
     slot_mapping: torch.Tensor
     block_size: int
+    # Fresh prompts for torch's SDPA (PrefillAttention.SDPA): (first, end) query rows of each.
+    # They are not in the prefill_* arrays above, which then hold only the C kernel's prefills.
+    sdpa_spans: tuple[tuple[int, int], ...] = ()
 
     @functools.cached_property
     def torch_plan(self) -> TorchAttentionPlan:
@@ -82,8 +98,10 @@ class CpuAttentionPlan:
 
 
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                       slot_mapping: torch.Tensor, block_size: int) -> CpuAttentionPlan:
-    """Derive the step's C kernel indices from its metadata (host tensors; one pass)."""
+                       slot_mapping: torch.Tensor, block_size: int,
+                       prefill_attention: PrefillAttention = PrefillAttention.NATIVE) -> CpuAttentionPlan:
+    """Derive the step's C kernel indices from its metadata (host tensors; one pass). With
+    ``PrefillAttention.SDPA`` fresh prompts are listed in ``sdpa_spans`` instead."""
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
     query_lens = starts[1:] - starts[:-1]
@@ -95,12 +113,18 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         decode_tables = block_tables.index_select(0, decode_seqs).to("cpu", torch.int32).contiguous()
     prefill_starts = prefill_query_lens = prefill_seq_lens = prefill_tables = None
     prefill_seqs = (query_lens > 1).nonzero().squeeze(1)
+    sdpa_spans: tuple[tuple[int, int], ...] = ()
+    if prefill_attention is PrefillAttention.SDPA and prefill_seqs.numel():
+        fresh = query_lens[prefill_seqs] == lens[prefill_seqs]
+        sdpa_spans = tuple((int(starts[seq]), int(starts[seq + 1])) for seq in prefill_seqs[fresh].tolist())
+        prefill_seqs = prefill_seqs[~fresh]
     if prefill_seqs.numel():
         prefill_starts, prefill_query_lens = starts[prefill_seqs], query_lens[prefill_seqs]
         prefill_seq_lens = lens[prefill_seqs]
         prefill_tables = block_tables.index_select(0, prefill_seqs).to("cpu", torch.int32).contiguous()
     return CpuAttentionPlan(decode_rows, decode_lens, decode_tables, prefill_starts, prefill_query_lens,
-                            prefill_seq_lens, prefill_tables, starts, lens, block_tables, slot_mapping, block_size)
+                            prefill_seq_lens, prefill_tables, starts, lens, block_tables, slot_mapping, block_size,
+                            sdpa_spans)
 
 
 def plan_torch_attention(plan: CpuAttentionPlan) -> TorchAttentionPlan:
@@ -177,12 +201,14 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                                               plan.decode_tables, key_cache, value_cache, scale)
         else:
             _decode_attention_torch(query, key_cache, value_cache, scale, plan, out)
-    if plan.prefill_starts is None:
-        return out
     if native:
-        cpu_native.paged_prefill_attention(query.contiguous(), out, plan.prefill_starts, plan.prefill_query_lens,
-                                           plan.prefill_seq_lens, plan.prefill_tables, key_cache, value_cache, scale)
+        if plan.prefill_starts is not None:
+            cpu_native.paged_prefill_attention(query.contiguous(), out, plan.prefill_starts, plan.prefill_query_lens,
+                                               plan.prefill_seq_lens, plan.prefill_tables, key_cache, value_cache,
+                                               scale)
+        sdpa_prefill_attention(query, key_cache, value_cache, scale, plan, out)
         return out
+    # torch's path below attends every prefill, sdpa_spans included (torch_plan lists them all).
     # float32 whatever the cache dtype: torch's CPU flash attention would take bfloat16 as it
     # is (no widened copies, 13% faster for a 512-token prompt), but it rounds the softmax
     # probabilities to bfloat16 before the weighted sum (2% of outputs off by 1-2 units).
@@ -197,6 +223,23 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                                            is_causal=fresh, enable_gqa=True)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1).to(query.dtype)
     return out
+
+
+def sdpa_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                           plan: CpuAttentionPlan, out: torch.Tensor) -> None:
+    """The plan's fresh prompts (``sdpa_spans``) through torch's SDPA into ``out``'s rows, in
+    the cache's dtype (bfloat16 stays bfloat16: that is what lets oneDNN use AMX; its flash
+    kernel rounds the softmax probabilities to bfloat16 before the weighted sum, as the Triton
+    kernel does). A fresh prompt's K/V are its own new tokens, read from their slots."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    keys, values = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(-1, num_kv_heads, head_dim)
+    for start, end in plan.sdpa_spans:
+        slots = plan.slot_mapping[start:end]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)                   # [1, heads, n, head_dim]
+        k = keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)        # [1, kv_heads, n, head_dim]
+        v = values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
+        out[start:end] = o.squeeze(0).transpose(0, 1)
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,

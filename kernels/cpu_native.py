@@ -62,16 +62,20 @@ class DecoderStep(ctypes.Structure):
                 ("num_decodes", _I64), ("decode_table_stride", _I64), ("decode_rows", _P),
                 ("decode_seq_lens", _P), ("decode_tables", _P),
                 ("num_prefills", _I64), ("prefill_table_stride", _I64), ("prefill_starts", _P),
-                ("prefill_query_lens", _P), ("prefill_seq_lens", _P), ("prefill_tables", _P)]
+                ("prefill_query_lens", _P), ("prefill_seq_lens", _P), ("prefill_tables", _P),
+                ("external_prefill_attention", _I64)]
 
 
 # decoder.c's external_projection_t: (layer, projection) -> the output's address, or None (NULL)
 # to stop the step.
 EXTERNAL_PROJECTION = ctypes.CFUNCTYPE(_P, _I64, _I64)
+# The id it is called with for the prefill rows the caller attends (decoder.c says why).
+EXTERNAL_PREFILL_ATTENTION = 4
 
 # decoder.c's status codes.
 DECODER_STATUS = {-1: "a kernel's scratch could not be allocated", -2: "an external projection failed",
-                  -3: "a projection has no packed weights and no external callback was given"}
+                  -3: "a projection has no packed weights (or the step external prefill attention) and no "
+                      "external callback was given"}
 
 
 def _cache_dir() -> Path:

@@ -34,14 +34,25 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
     return mixed_prompts
 
 
-@pytest.fixture(scope="module")
-def bf16_outputs(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+# "auto": what this CPU picks; "sdpa": fresh prompts through torch's SDPA, which rounds the
+# softmax probabilities to bfloat16 (what auto may pick on AVX-512 CPUs), held to the same floors.
+@pytest.fixture(scope="module", params=["auto", "sdpa"], ids=lambda p: f"prefill_attention={p}")
+def bf16_outputs(request, model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     # A fixed 256-token budget: chunked prefill and decodes mixed, the same steps on every machine.
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, dtype="bfloat16",
-                                 max_num_batched_tokens=256, itl_target_ms=0.0))
-    print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU)")
+                                 max_num_batched_tokens=256, itl_target_ms=0.0, cpu_prefill_attention=request.param))
+    print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU), "
+          f"fresh prompts' attention {engine.runner.model.prefill_attention.value}")
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     return [o.token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_outputs(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    return hf_greedy(hf_bf16, prompts, MAX_NEW_TOKENS)
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
@@ -54,10 +65,7 @@ def test_bf16_agreement_with_transformers_float32(bf16_outputs, hf_model, prompt
     assert share >= FLOOR_VS_FLOAT32
 
 
-def test_bf16_agreement_with_transformers_bfloat16(bf16_outputs, model_dir: Path, prompts) -> None:
-    from transformers import AutoModelForCausalLM
-
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    share = agreement(bf16_outputs, hf_greedy(hf_bf16, prompts, MAX_NEW_TOKENS))
+def test_bf16_agreement_with_transformers_bfloat16(bf16_outputs, hf_bf16_outputs) -> None:
+    share = agreement(bf16_outputs, hf_bf16_outputs)
     print(f"bfloat16 engine vs transformers bfloat16: {share:.3f} (floor {FLOOR_VS_BFLOAT16})")
     assert share >= FLOOR_VS_BFLOAT16

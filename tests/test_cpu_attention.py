@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from backend.model.cpu_features import detect
-from kernels import cpu_native
+from kernels import PrefillAttention, cpu_native
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 from tests.paged_batches import SCENARIOS, SHAPES, TOLERANCES, PagedBatch, make_batch, scenario_specs, shape_id
 
@@ -40,6 +40,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 # 3e-2) is far looser, made for the Triton kernel, which also rounds the softmax
 # probabilities to bfloat16.
 CPU_TOLERANCES = {**TOLERANCES, torch.bfloat16: dict(atol=TOLERANCES[torch.float32]["atol"], rtol=2 ** -7)}
+# torch's SDPA in bfloat16 rounds the softmax probabilities to bfloat16, as the Triton kernel does:
+# the shared bound.
+SDPA_TOLERANCES = {torch.float32: CPU_TOLERANCES[torch.float32], torch.bfloat16: TOLERANCES[torch.bfloat16]}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,10 +76,11 @@ def new_token_slots(batch: PagedBatch) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int64)
 
 
-def plan_for(batch: PagedBatch, slot_mapping: torch.Tensor | None = None):
+def plan_for(batch: PagedBatch, slot_mapping: torch.Tensor | None = None,
+             prefill_attention: PrefillAttention = PrefillAttention.NATIVE):
     slot_mapping = new_token_slots(batch) if slot_mapping is None else slot_mapping
     return kernels.plan_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, slot_mapping,
-                                  batch.key_cache.shape[1], backend="cpu")
+                                  batch.key_cache.shape[1], backend="cpu", prefill_attention=prefill_attention)
 
 
 def attend(batch: PagedBatch, plan, key_cache=None, value_cache=None, query=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +100,29 @@ def check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, cont
     assert not actual.isnan().any(), f"NaN in output: poison leaked ({context})"
     torch.testing.assert_close(actual.float(), expected.float(), **CPU_TOLERANCES[dtype],
                                msg=lambda m: f"{context}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scenario", ["prefill", "chunked", "mixed"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_sdpa_for_fresh_prompts_matches_reference(dtype: torch.dtype, scenario: str,
+                                                  shape: tuple[int, int, int, int]) -> None:
+    """``PrefillAttention.SDPA``: fresh prompts (no cached context) go to torch's SDPA, every
+    other prefill stays in the C kernel's arrays; together the reference's result."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    seed = random.randrange(1 << 30)
+    specs = scenario_specs(scenario, random.Random(seed), block_size)
+    batch = make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, dtype, CPU)
+    plan = plan_for(batch, prefill_attention=PrefillAttention.SDPA)
+    starts = batch.query_start_loc.tolist()
+    assert plan.sdpa_spans == tuple((starts[i], starts[i + 1]) for i, (context, n) in enumerate(specs)
+                                    if context == 0 and n > 1), f"seed {seed}, specs {specs}"
+    chunks = sum(1 for context, n in specs if context > 0 and n > 1)
+    assert (0 if plan.prefill_starts is None else plan.prefill_starts.numel()) == chunks
+    actual, expected = attend(batch, plan)
+    assert not actual.isnan().any(), f"NaN in output: poison leaked (seed {seed}, specs {specs})"
+    torch.testing.assert_close(actual.float(), expected.float(), **SDPA_TOLERANCES[dtype],
+                               msg=lambda m: f"seed {seed}, specs {specs}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -20,6 +20,7 @@ from backend.model.cpu_decoder import CpuDecoder
 from backend.model.cpu_linear import (Int8Linear, TorchLinear, native_kernel_available, native_linear,
                                       onednn_packing_available, replace_linears)
 from backend.model.llama import AttentionMetadata, CausalLM
+from kernels import PrefillAttention, cpu_attention
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 
@@ -29,6 +30,7 @@ STEPS = {
     "decodes": ([1, 1, 1, 1], [2, 9, 4, 11]),
     "fresh-prompts": ([5, 7], [0, 0]),
     "one-row": ([1], [0]),
+    "fresh-chunk-decode": ([5, 6, 1], [0, 3, 7]),   # a fresh prompt, a chunk over cached tokens, a decode
 }
 
 
@@ -137,6 +139,43 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
     model = tiny_model(dtype, qkv_bias, linear)
     assert model.cpu_decoder.external_projections == CALLED_BACK[linear]
     assert_same_bits(loop_and_c_results(model, step, monkeypatch))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("step", ["fresh-prompts", "fresh-chunk-decode", "mixed"])
+@pytest.mark.parametrize("linear", ["native", "torch"])
+def test_sdpa_prompts_are_called_back_with_the_loops_bits(dtype: torch.dtype, step: str, linear: str,
+                                                          monkeypatch) -> None:
+    """``PrefillAttention.SDPA``: each layer calls back once for the step's fresh prompts (and
+    not at all in a step without one), which torch's SDPA attends, while the C kernels attend
+    the other rows; the loop's bits."""
+    model = tiny_model(dtype, False, linear)
+    model.prefill_attention = PrefillAttention.SDPA
+    spans_seen = []
+    real_sdpa = cpu_attention.sdpa_prefill_attention
+    monkeypatch.setattr(cpu_decoder, "sdpa_prefill_attention",
+                        lambda *args: spans_seen.append(args[4].sdpa_spans) or real_sdpa(*args))
+    assert_same_bits(loop_and_c_results(model, step, monkeypatch))
+    query_lens, cached = STEPS[step]
+    starts = list(itertools.accumulate(query_lens, initial=0))
+    fresh = tuple((starts[i], starts[i + 1]) for i, (n, c) in enumerate(zip(query_lens, cached)) if n > 1 and c == 0)
+    assert spans_seen == [fresh] * (3 if fresh else 0)
+
+
+@needs_kernel
+def test_sdpa_prompts_change_only_what_rounding_allows() -> None:
+    """The same float32 step with SDPA for its fresh prompts and with our kernel: logits equal
+    up to the order of float32 sums (a wrong row, head or mask would be far off)."""
+    model = tiny_model(torch.float32, False)
+    meta, tokens = step_metadata(*STEPS["fresh-chunk-decode"])
+    input_ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for path in PrefillAttention:
+        model.prefill_attention = path
+        with torch.inference_mode():
+            logits[path] = model(input_ids, meta, caches(torch.float32))
+    torch.testing.assert_close(logits[PrefillAttention.SDPA], logits[PrefillAttention.NATIVE], atol=1e-4, rtol=1e-4)
 
 
 class StandInLoRA:

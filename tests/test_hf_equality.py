@@ -69,6 +69,8 @@ CONFIGS = {
     "priority_few_seqs": dict(block_size=16, num_kv_blocks=512, scheduling_policy="priority", max_num_seqs=3,
                               **FIXED_BUDGET),
     "static": dict(block_size=16, num_kv_blocks=512, batching="static", max_num_seqs=5, **FIXED_BUDGET),
+    # Fresh prompts through torch's SDPA (what cpu_prefill_attention=auto may pick on AVX-512 CPUs).
+    "sdpa_prompts": dict(block_size=16, num_kv_blocks=512, cpu_prefill_attention="sdpa", **FIXED_BUDGET),
 }
 # Speculative decoding (n-gram drafts, verified in the same step) must not change a token. The
 # prose prompts repeat themselves, so drafts are proposed and accepted; the batch limit is
@@ -88,6 +90,8 @@ def test_greedy_matches_transformers(name: str, model_dir: Path, mixed_prompts, 
     engine, ours = run_engine(EngineConfig(model=str(model_dir), **config), mixed_prompts)
     assert_same_tokens(ours, hf_mixed)
     assert_speculated(engine, config)
+    if "cpu_prefill_attention" in config:
+        assert engine.runner.model.prefill_attention.value == config["cpu_prefill_attention"]
 
 
 @pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])

@@ -26,8 +26,9 @@ from torch import nn
 from backend.lora.batch import add_lora
 from backend.model.cpu_linear import NativeBf16Linear, NativeLinear
 from kernels import cpu_native
-from kernels.cpu_native import EXTERNAL_PROJECTION, DecoderLayerPointers, DecoderShape, DecoderStep
-from kernels.cpu_attention import CpuAttentionPlan
+from kernels.cpu_native import (EXTERNAL_PREFILL_ATTENTION, EXTERNAL_PROJECTION, DecoderLayerPointers, DecoderShape,
+                                DecoderStep)
+from kernels.cpu_attention import CpuAttentionPlan, sdpa_prefill_attention
 
 if TYPE_CHECKING:
     from backend.lora.slots import LoRABatch
@@ -105,6 +106,8 @@ class CpuDecoder:
         self._outputs: dict[Projection, torch.Tensor] = {}
         self._gate_up_layer = -1           # the layer whose gate|up was last called back
         self._with_lora = False
+        self._plan: CpuAttentionPlan | None = None   # the step's, while C runs (prefill attention callback)
+        self._attention_views: tuple[torch.Tensor, torch.Tensor] | None = None   # q and attention output
         self._error: BaseException | None = None
         # Kept while C may call it. Through a weak reference: a bound method would make a cycle
         # (decoder -> callback -> decoder) that keeps a dropped decoder, and with it the KV
@@ -165,14 +168,16 @@ class CpuDecoder:
                                                             plan.prefill_query_lens.data_ptr())
             step.prefill_seq_lens, step.prefill_tables = (plan.prefill_seq_lens.data_ptr(),
                                                           plan.prefill_tables.data_ptr())
+        step.external_prefill_attention = int(bool(plan.sdpa_spans))
         # A LoRA step: the projections its adapters adapt are called back, their deltas added there.
         lora_mask = 0 if lora is None else sum(1 << which for which in Projection if lora.slots.adapts(which.name))
-        scratch = self._scratch_for(h.shape[0], self.external_projections > 0 or lora_mask != 0)
-        self._with_lora, self._error, self._gate_up_layer = lora is not None, None, -1
+        scratch = self._scratch_for(h.shape[0], self.external_projections > 0 or lora_mask != 0
+                                    or bool(plan.sdpa_spans))
+        self._with_lora, self._error, self._gate_up_layer, self._plan = lora is not None, None, -1, plan
         status = cpu_native.load().decoder_layers(self.is_bf16, self.layers, len(self.layers), ctypes.byref(self.shape),
                                                   ctypes.byref(step), h.data_ptr(), scratch.data_ptr(),
                                                   self._callback, lora_mask, torch.get_num_threads())
-        self._views, self._outputs = {}, {}
+        self._views, self._outputs, self._plan, self._attention_views = {}, {}, None, None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -197,17 +202,23 @@ class CpuDecoder:
             shape = self.shape
             q_size = shape.num_heads * shape.head_dim
             x, qkv = region(0, shape.hidden), region(1, q_size + 2 * shape.num_kv_heads * shape.head_dim)
-            attn, proj, gate_up = region(3, q_size), region(4, shape.hidden), region(5, 2 * shape.intermediate)
+            q, attn = region(2, q_size), region(3, q_size)
+            proj, gate_up = region(4, shape.hidden), region(5, 2 * shape.intermediate)
             self._views = {Projection.qkv: (x, qkv), Projection.o: (attn, proj), Projection.gate_up: (x, gate_up),
                            Projection.down: (gate_up[:, :shape.intermediate], proj)}
+            heads = (tokens, shape.num_heads, shape.head_dim)
+            self._attention_views = (q.view(heads), attn.view(heads))
         return self._scratch
 
     def _run_projection(self, layer: int, projection: int) -> int | None:
         """decoder.c's callback: one projection through its module (+ its LoRA deltas, in place
-        on the module's output, as the loop adds them). Returns the output's address, kept
+        on the module's output, as the loop adds them), or the step's SDPA prefill attention
+        (``EXTERNAL_PREFILL_ATTENTION``). Returns the output's address, kept
         referenced until the next call for this projection; an exception is kept for ``run`` to
         raise (C sees NULL)."""
         try:
+            if projection == EXTERNAL_PREFILL_ATTENTION:
+                return self._run_prefill_attention(layer)
             which = PROJECTIONS[projection]
             source, target = self._views[which]
             if which is Projection.down and self._gate_up_layer == layer:
@@ -229,3 +240,12 @@ class CpuDecoder:
         except BaseException as error:   # noqa: BLE001 - raised again by run() once C has returned
             self._error = error
             return None
+
+    def _run_prefill_attention(self, layer: int) -> int:
+        """decoder.c's callback for the step's fresh prompts that torch's SDPA attends: reads q
+        from the scratch, writes their rows of the attention output there (C has written the
+        other rows). Returns a non-NULL address: success."""
+        q, attn = self._attention_views
+        key_cache, value_cache = self._caches[layer]
+        sdpa_prefill_attention(q, key_cache, value_cache, self.shape.scale, self._plan, attn)
+        return attn.data_ptr()

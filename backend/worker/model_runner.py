@@ -31,6 +31,7 @@ from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear_tuning import choose_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
+from backend.model.prefill_attention_choice import choose_prefill_attention
 from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from backend.worker import timing_cache
 from backend.worker.step_buffers import StepBuffers
@@ -124,6 +125,12 @@ class ModelRunner:
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops,
                                 self.onednn_batch_hint)
+        prefill_choice = choose_prefill_attention(config.cpu_prefill_attention, self.dtype, arch, self.block_size,
+                                                  self.device.type == "cpu" and self.attention_backend == "cpu")
+        self.model.prefill_attention = prefill_choice.path
+        if self.device.type == "cpu":
+            self.startup_notes.append(f"fresh prompts' attention: {prefill_choice.path.value} ({prefill_choice.why})")
+            logger.info("%s", self.startup_notes[-1])
         self.startup_notes.append(f"fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): "
                                   f"{self.model.fused_layer_ops or 'off (torch ops)'}{self._cpu_decoder_note()}")
         logger.info("%s", self.startup_notes[-1])
@@ -194,6 +201,7 @@ class ModelRunner:
             "dtype": str(self.dtype),
             "attention_backend": self.attention_backend,
             "cpu_linear": self.cpu_linear,
+            "cpu_prefill_attention": self.model.prefill_attention.value,
             "onednn_batch_hint": self.onednn_batch_hint,
             "fused_layer_ops": self.model.fused_layer_ops,
             # on or off by the start-up probe (kernels/amx_probe.py): the same build can run either

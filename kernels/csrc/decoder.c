@@ -87,6 +87,8 @@ typedef struct {
     int64_t num_prefills, prefill_table_stride;
     const int64_t *prefill_starts, *prefill_query_lens, *prefill_seq_lens;
     const int32_t *prefill_tables;
+    /* Nonzero: the step also has prefill rows that ``external`` attends (EXTERNAL_PREFILL_ATTENTION). */
+    int64_t external_prefill_attention;
 } decoder_step_t;
 
 /* Which projection an external call is for (backend/model/cpu_decoder.py: Projection). */
@@ -96,6 +98,12 @@ enum { PROJECTION_QKV, PROJECTION_O, PROJECTION_GATE_UP, PROJECTION_DOWN };
  * Returns where its output is (contiguous [tokens, n], the model's dtype; valid until the next
  * call for the same projection: the caller keeps it), or NULL to stop the step. */
 typedef void *(*external_projection_t)(int64_t layer, int64_t projection);
+
+/* Not a projection: the id ``external`` is called with, once a layer, for the prefill rows the
+ * caller attends itself (fresh prompts through torch's SDPA: kernels/cpu_attention.py). It reads
+ * q from the scratch and the layer's caches, and writes those rows of the attention output in
+ * the scratch; the pointer it returns only says it succeeded (NULL: stop the step). */
+enum { EXTERNAL_PREFILL_ATTENTION = 4 };
 
 /* Status codes of decoder_layers. */
 enum { DECODER_OK = 0, DECODER_NO_MEMORY = -1, DECODER_EXTERNAL_FAILED = -2, DECODER_NO_EXTERNAL = -3 };
@@ -123,7 +131,7 @@ static void add_rms_norm(int is_bf16, void *h, const void *delta, const void *we
 }
 
 static int attend(int is_bf16, const decoder_shape_t *s, const decoder_step_t *step, const decoder_layer_t *layer,
-                  const void *q, void *out, int num_threads) {
+                  const void *q, void *out, int num_threads, external_projection_t external, int64_t layer_index) {
     int status = 0;
     if (step->num_decodes > 0) {
         status = is_bf16
@@ -146,6 +154,10 @@ static int attend(int is_bf16, const decoder_shape_t *s, const decoder_step_t *s
                                           step->prefill_seq_lens, step->prefill_tables, step->prefill_table_stride,
                                           layer->key_cache, layer->value_cache, step->num_prefills, s->num_heads,
                                           s->num_kv_heads, s->head_dim, s->block_size, s->scale, num_threads);
+    }
+    if (status == 0 && step->external_prefill_attention) {
+        if (external == NULL) return DECODER_NO_EXTERNAL;
+        if (external(layer_index, EXTERNAL_PREFILL_ATTENTION) == NULL) return DECODER_EXTERNAL_FAILED;
     }
     return status;
 }
@@ -182,7 +194,7 @@ int64_t decoder_scratch_layout(int is_bf16, const decoder_shape_t *s, int64_t to
  * layer (a step with LoRA adapters on it, whose deltas the caller adds).
  * Returns DECODER_OK, DECODER_NO_MEMORY when a kernel's scratch could not be allocated,
  * DECODER_EXTERNAL_FAILED when ``external`` said so, DECODER_NO_EXTERNAL when a projection has
- * no packed weights and no ``external`` was given. */
+ * no packed weights, or the step external prefill attention, and no ``external`` was given. */
 int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layers, const decoder_shape_t *s,
                    const decoder_step_t *step, void *h, void *scratch_memory, external_projection_t external,
                    int external_mask, int num_threads) {
@@ -217,7 +229,7 @@ int decoder_layers(int is_bf16, const decoder_layer_t *layers, int64_t num_layer
                                layer->value_cache, t, s->num_heads, s->num_kv_heads, s->head_dim);
         for (int64_t r = 0; r < t; ++r)
             memcpy(q + r * q_size * element, (char *)qkv + r * qkv_size * element, (size_t)(q_size * element));
-        status = attend(is_bf16, s, step, layer, q, attn, num_threads);
+        status = attend(is_bf16, s, step, layer, q, attn, num_threads, external, i);
         if (status != 0) break;
         status = project(is_bf16, attn, t, q_size, q_size, w_o, s->hidden, layer->o_bias, &proj, num_threads,
                          external, i, PROJECTION_O);
