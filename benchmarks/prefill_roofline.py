@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         step_seconds = seconds[dtype, attention]
         achieved = flops.total / step_seconds / 1e9
         row = {"dtype": dtype, "linear_path": engine.runner.cpu_linear,
-               "prefill_attention": engine.runner.model.prefill_attention.value,
+               "prefill_attention": engine.runner.prefill_attention.path.value,
                "step_ms": round(step_seconds * 1e3, 1),
                "prompt_tokens_per_s": round(args.tokens / step_seconds, 1), "gflops": round(achieved, 1),
                "isa_peak_gflops": round(isa_peak[dtype], 1), "of_isa_peak": round(achieved / isa_peak[dtype], 3),

@@ -15,8 +15,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_attention import (CpuAttentionPlan, PrefillAttention, paged_attention_cpu, plan_attention_cpu,
-                                   reshape_and_cache_cpu)
+from kernels.cpu_attention import (EVERY_FRESH_PROMPT, CpuAttentionPlan, PrefillAttention, paged_attention_cpu,
+                                   plan_attention_cpu, reshape_and_cache_cpu)
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -46,12 +46,12 @@ def _triton() -> ModuleType:
 
 def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                    slot_mapping: torch.Tensor, block_size: int, backend: str,
-                   prefill_attention: PrefillAttention = PrefillAttention.NATIVE) -> CpuAttentionPlan | None:
-    """Per-step work shared by every layer (the CPU path's gather indices, and which kernel
-    attends its fresh prompts); None for the backends that need none."""
+                   sdpa_min_tokens: int | None = None) -> CpuAttentionPlan | None:
+    """Per-step work shared by every layer (the CPU path's gather indices, and which fresh
+    prompts torch's SDPA attends: ``plan_attention_cpu``); None for the backends that need none."""
     if backend == "cpu":
         return plan_attention_cpu(query_start_loc, seq_lens, block_tables, slot_mapping, block_size,
-                                  prefill_attention)
+                                  sdpa_min_tokens)
     return None
 
 
@@ -86,6 +86,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return paged_attention_reference(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
-__all__ = ["BACKENDS", "CpuAttentionPlan", "PrefillAttention", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
+__all__ = ["BACKENDS", "CpuAttentionPlan", "EVERY_FRESH_PROMPT", "PrefillAttention", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
            "triton_interpreter_enabled",
            "paged_attention_reference", "reshape_and_cache_reference"]

@@ -20,8 +20,9 @@ layer reuses them:
   kernel (float32 or bfloat16 pages, flash-attention style, causal blocks skipped; all of a
   step's prefills in one call). Without it, each runs one SDPA call over its gathered
   float32 context with the causal mask aligned to the end of the cached context.
-- Fresh prompts (no cached context) may instead go to torch's SDPA in the cache's own dtype
-  (``PrefillAttention.SDPA``, chosen at start-up by backend/model/prefill_attention_choice.py):
+- Fresh prompts (no cached context) of at least ``sdpa_min_tokens`` tokens may instead go to
+  torch's SDPA in the cache's own dtype (chosen at start-up by
+  backend/model/prefill_attention_choice.py):
   its flash kernel runs oneDNN's brgemm, which uses AMX tiles for bfloat16 where the CPU has
   them, and no kernel of ours does for attention. On the AVX2 Zen 3 ours ran 2.2-2.45x SDPA's
   speed, so there it is never chosen.
@@ -42,10 +43,14 @@ from kernels import cpu_native
 
 
 class PrefillAttention(str, enum.Enum):
-    """Which kernel attends a fresh prompt (a prefill without cached context) on CPU. Chunks
+    """Which kernel attends fresh prompts (prefills without cached context) on CPU. Chunks
     with cached context (chunked prefill, prefix hits) always take ours."""
     NATIVE = "native"    # our C prefill kernel
-    SDPA = "sdpa"        # torch's scaled_dot_product_attention (flash, in the cache's dtype)
+    SDPA = "sdpa"        # torch's scaled_dot_product_attention (flash, in the cache's dtype), for
+                         # fresh prompts of at least a start-up-measured length
+
+
+EVERY_FRESH_PROMPT = 1   # sdpa_min_tokens that sends every fresh prompt to SDPA
 
 
 @dataclass
@@ -88,7 +93,7 @@ class CpuAttentionPlan:
     block_tables: torch.Tensor           # [num_seqs, max_blocks]
     slot_mapping: torch.Tensor
     block_size: int
-    # Fresh prompts for torch's SDPA (PrefillAttention.SDPA): (first, end) query rows of each.
+    # Fresh prompts for torch's SDPA (sdpa_min_tokens): (first, end) query rows of each.
     # They are not in the prefill_* arrays above, which then hold only the C kernel's prefills.
     sdpa_spans: tuple[tuple[int, int], ...] = ()
 
@@ -99,9 +104,10 @@ class CpuAttentionPlan:
 
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                        slot_mapping: torch.Tensor, block_size: int,
-                       prefill_attention: PrefillAttention = PrefillAttention.NATIVE) -> CpuAttentionPlan:
-    """Derive the step's C kernel indices from its metadata (host tensors; one pass). With
-    ``PrefillAttention.SDPA`` fresh prompts are listed in ``sdpa_spans`` instead."""
+                       sdpa_min_tokens: int | None = None) -> CpuAttentionPlan:
+    """Derive the step's C kernel indices from its metadata (host tensors; one pass). Fresh
+    prompts of at least ``sdpa_min_tokens`` tokens (None: none) are listed in ``sdpa_spans``
+    instead."""
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
     query_lens = starts[1:] - starts[:-1]
@@ -114,8 +120,9 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
     prefill_starts = prefill_query_lens = prefill_seq_lens = prefill_tables = None
     prefill_seqs = (query_lens > 1).nonzero().squeeze(1)
     sdpa_spans: tuple[tuple[int, int], ...] = ()
-    if prefill_attention is PrefillAttention.SDPA and prefill_seqs.numel():
-        fresh = query_lens[prefill_seqs] == lens[prefill_seqs]
+    if sdpa_min_tokens is not None and prefill_seqs.numel():
+        prefill_lens = query_lens[prefill_seqs]
+        fresh = (prefill_lens == lens[prefill_seqs]) & (prefill_lens >= sdpa_min_tokens)
         sdpa_spans = tuple((int(starts[seq]), int(starts[seq + 1])) for seq in prefill_seqs[fresh].tolist())
         prefill_seqs = prefill_seqs[~fresh]
     if prefill_seqs.numel():

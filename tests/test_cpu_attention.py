@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from backend.model.cpu_features import detect
-from kernels import PrefillAttention, cpu_native
+from kernels import EVERY_FRESH_PROMPT, cpu_native
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 from tests.paged_batches import SCENARIOS, SHAPES, TOLERANCES, PagedBatch, make_batch, scenario_specs, shape_id
 
@@ -76,11 +76,10 @@ def new_token_slots(batch: PagedBatch) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int64)
 
 
-def plan_for(batch: PagedBatch, slot_mapping: torch.Tensor | None = None,
-             prefill_attention: PrefillAttention = PrefillAttention.NATIVE):
+def plan_for(batch: PagedBatch, slot_mapping: torch.Tensor | None = None, sdpa_min_tokens: int | None = None):
     slot_mapping = new_token_slots(batch) if slot_mapping is None else slot_mapping
     return kernels.plan_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, slot_mapping,
-                                  batch.key_cache.shape[1], backend="cpu", prefill_attention=prefill_attention)
+                                  batch.key_cache.shape[1], backend="cpu", sdpa_min_tokens=sdpa_min_tokens)
 
 
 def attend(batch: PagedBatch, plan, key_cache=None, value_cache=None, query=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,20 +104,22 @@ def check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, cont
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scenario", ["prefill", "chunked", "mixed"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_sdpa_for_fresh_prompts_matches_reference(dtype: torch.dtype, scenario: str,
-                                                  shape: tuple[int, int, int, int]) -> None:
-    """``PrefillAttention.SDPA``: fresh prompts (no cached context) go to torch's SDPA, every
-    other prefill stays in the C kernel's arrays; together the reference's result."""
+@pytest.mark.parametrize("sdpa_min_tokens", [EVERY_FRESH_PROMPT, 24])
+def test_sdpa_for_fresh_prompts_matches_reference(dtype: torch.dtype, scenario: str, shape: tuple[int, int, int, int],
+                                                  sdpa_min_tokens: int) -> None:
+    """Fresh prompts (no cached context) of ``sdpa_min_tokens`` tokens and more go to torch's
+    SDPA, every other prefill stays in the C kernel's arrays; together the reference's result."""
     num_heads, num_kv_heads, head_dim, block_size = shape
     seed = random.randrange(1 << 30)
     specs = scenario_specs(scenario, random.Random(seed), block_size)
     batch = make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, dtype, CPU)
-    plan = plan_for(batch, prefill_attention=PrefillAttention.SDPA)
+    plan = plan_for(batch, sdpa_min_tokens=sdpa_min_tokens)
     starts = batch.query_start_loc.tolist()
-    assert plan.sdpa_spans == tuple((starts[i], starts[i + 1]) for i, (context, n) in enumerate(specs)
-                                    if context == 0 and n > 1), f"seed {seed}, specs {specs}"
-    chunks = sum(1 for context, n in specs if context > 0 and n > 1)
-    assert (0 if plan.prefill_starts is None else plan.prefill_starts.numel()) == chunks
+    to_sdpa = [context == 0 and n > 1 and n >= sdpa_min_tokens for context, n in specs]
+    assert plan.sdpa_spans == tuple((starts[i], starts[i + 1]) for i, sdpa in enumerate(to_sdpa) if sdpa), \
+        f"seed {seed}, specs {specs}"
+    to_c = sum(1 for (_, n), sdpa in zip(specs, to_sdpa) if n > 1 and not sdpa)
+    assert (0 if plan.prefill_starts is None else plan.prefill_starts.numel()) == to_c
     actual, expected = attend(batch, plan)
     assert not actual.isnan().any(), f"NaN in output: poison leaked (seed {seed}, specs {specs})"
     torch.testing.assert_close(actual.float(), expected.float(), **SDPA_TOLERANCES[dtype],

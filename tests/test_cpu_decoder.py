@@ -20,7 +20,7 @@ from backend.model.cpu_decoder import CpuDecoder
 from backend.model.cpu_linear import (Int8Linear, TorchLinear, native_kernel_available, native_linear,
                                       onednn_packing_available, replace_linears)
 from backend.model.llama import AttentionMetadata, CausalLM
-from kernels import PrefillAttention, cpu_attention
+from kernels import EVERY_FRESH_PROMPT, cpu_attention
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 
@@ -147,11 +147,11 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
 @pytest.mark.parametrize("linear", ["native", "torch"])
 def test_sdpa_prompts_are_called_back_with_the_loops_bits(dtype: torch.dtype, step: str, linear: str,
                                                           monkeypatch) -> None:
-    """``PrefillAttention.SDPA``: each layer calls back once for the step's fresh prompts (and
+    """SDPA for every fresh prompt: each layer calls back once for the step's fresh prompts (and
     not at all in a step without one), which torch's SDPA attends, while the C kernels attend
     the other rows; the loop's bits."""
     model = tiny_model(dtype, False, linear)
-    model.prefill_attention = PrefillAttention.SDPA
+    model.sdpa_prompt_min_tokens = EVERY_FRESH_PROMPT
     spans_seen = []
     real_sdpa = cpu_attention.sdpa_prefill_attention
     monkeypatch.setattr(cpu_decoder, "sdpa_prefill_attention",
@@ -171,11 +171,11 @@ def test_sdpa_prompts_change_only_what_rounding_allows() -> None:
     meta, tokens = step_metadata(*STEPS["fresh-chunk-decode"])
     input_ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
     logits = {}
-    for path in PrefillAttention:
-        model.prefill_attention = path
+    for min_tokens in (None, EVERY_FRESH_PROMPT):
+        model.sdpa_prompt_min_tokens = min_tokens
         with torch.inference_mode():
-            logits[path] = model(input_ids, meta, caches(torch.float32))
-    torch.testing.assert_close(logits[PrefillAttention.SDPA], logits[PrefillAttention.NATIVE], atol=1e-4, rtol=1e-4)
+            logits[min_tokens] = model(input_ids, meta, caches(torch.float32))
+    torch.testing.assert_close(logits[EVERY_FRESH_PROMPT], logits[None], atol=1e-4, rtol=1e-4)
 
 
 class StandInLoRA:

@@ -91,7 +91,7 @@ def test_greedy_matches_transformers(name: str, model_dir: Path, mixed_prompts, 
     assert_same_tokens(ours, hf_mixed)
     assert_speculated(engine, config)
     if "cpu_prefill_attention" in config:
-        assert engine.runner.model.prefill_attention.value == config["cpu_prefill_attention"]
+        assert engine.runner.prefill_attention.path.value == config["cpu_prefill_attention"]
 
 
 @pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])

@@ -189,8 +189,9 @@ class CausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
         self.layer_ops: ModuleType | None = None        # set by use_fused_layer_ops
         self.cpu_decoder: CpuDecoder | None = None      # set by use_fused_layer_ops: the C layer loop
-        # Which kernel attends fresh prompts with the cpu backend (the model runner's start-up choice).
-        self.prefill_attention = kernels.PrefillAttention.NATIVE
+        # With the cpu backend, fresh prompts of at least this many tokens go to torch's SDPA
+        # (None: none; the model runner's start-up choice, backend/model/prefill_attention_choice.py).
+        self.sdpa_prompt_min_tokens: int | None = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +211,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rope_cos_sin(meta.positions, h.dtype)
         # Gather indices etc. derived from the block tables once per step, reused by every layer.
         plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
-                                      kv_caches[0][0].shape[1], self.attention_backend, self.prefill_attention)
+                                      kv_caches[0][0].shape[1], self.attention_backend,
+                                      self.sdpa_prompt_min_tokens)
         if self.layer_ops is not None:
             # All layers in one C call where it applies; the Python loop of the same kernels
             # otherwise.

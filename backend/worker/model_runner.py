@@ -125,11 +125,12 @@ class ModelRunner:
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops,
                                 self.onednn_batch_hint)
-        prefill_choice = choose_prefill_attention(config.cpu_prefill_attention, self.dtype, arch, self.block_size,
-                                                  self.device.type == "cpu" and self.attention_backend == "cpu")
-        self.model.prefill_attention = prefill_choice.path
+        self.prefill_attention = choose_prefill_attention(config.cpu_prefill_attention, self.dtype, arch,
+                                                          self.block_size,
+                                                          self.device.type == "cpu" and self.attention_backend == "cpu")
+        self.model.sdpa_prompt_min_tokens = self.prefill_attention.sdpa_min_tokens
         if self.device.type == "cpu":
-            self.startup_notes.append(f"fresh prompts' attention: {prefill_choice.path.value} ({prefill_choice.why})")
+            self.startup_notes.append(f"fresh prompts' attention: {self.prefill_attention.describe()}")
             logger.info("%s", self.startup_notes[-1])
         self.startup_notes.append(f"fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): "
                                   f"{self.model.fused_layer_ops or 'off (torch ops)'}{self._cpu_decoder_note()}")
@@ -201,7 +202,7 @@ class ModelRunner:
             "dtype": str(self.dtype),
             "attention_backend": self.attention_backend,
             "cpu_linear": self.cpu_linear,
-            "cpu_prefill_attention": self.model.prefill_attention.value,
+            "sdpa_prompt_min_tokens": self.model.sdpa_prompt_min_tokens,
             "onednn_batch_hint": self.onednn_batch_hint,
             "fused_layer_ops": self.model.fused_layer_ops,
             # on or off by the start-up probe (kernels/amx_probe.py): the same build can run either
