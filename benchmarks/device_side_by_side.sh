@@ -17,8 +17,8 @@
 # AMX version runs there); `linear`, the linear paths timed; `attention`, our attention against
 # torch's SDPA for prompts (~1 minute); `prewarm`, vLLM started once per dtype of RUNS, all at
 # once, and stopped once ready (its first torch.compile warm-up takes 2-3.5 minutes; its compile
-# cache then shortens the measured starts, so that the default four served runs may fit the 10
-# minutes of one call); `serve`, RUNS served with benchmarks.serving, workloads A and B. RUNS
+# cache then shortens the measured starts, so that the default's first four served runs may fit
+# the 10 minutes of one call; the fifth, ours with our prompt attention forced, is a bonus); `serve`, RUNS served with benchmarks.serving, workloads A and B. RUNS
 # items: `ours` plus engine parameters joined by "+" (ours+cpu_linear=native), vllm-DTYPE, or
 # vllm-DTYPE+preload (with the LD_PRELOAD of vLLM's docs). vLLM goes first by default, so nothing
 # of ours has run on the machine when it is measured. Results: $OUT/summary.txt and
@@ -126,7 +126,7 @@ stop() {  # process $1 (Ctrl-C: our launcher drains and stops its server), then 
 bench() { timeout 200 taskset -c $PIN $OURS -m benchmarks.serving --server "$1" --workloads A,B --json "$WORK/$2.json" \
               > "$WORK/$2.txt" 2>&1
           log "$2 rc=$?"; grep -E "^\| (ours|vllm)|failure" "$WORK/$2.txt" | tee -a "$SUMMARY"; }
-RUNS=${RUNS:-vllm-bfloat16+preload ours vllm-bfloat16 vllm-float32+preload}   # most wanted first
+RUNS=${RUNS:-vllm-bfloat16+preload ours vllm-bfloat16 vllm-float32+preload ours+cpu_prefill_attention=native}   # most wanted first
 # vLLM's CPU docs ask to LD_PRELOAD tcmalloc and Intel's OpenMP runtime for its best speed; the
 # image has neither, benchmarks/device_pack.sh puts both in .peerlibs/ (carry it).
 PRELOAD=$REPO/.peerlibs/libtcmalloc_minimal.so.4:$REPO/.peerlibs/libiomp5.so
