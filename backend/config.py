@@ -14,7 +14,7 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # CPU linear layers (backend/model/cpu_linear.py resolves "auto").
 CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch", "measure")
-# The kernel for fresh prompts' attention on CPU (backend/model/prefill_attention_choice.py resolves "auto").
+# The kernel for prompts' attention on CPU (backend/model/prefill_attention_choice.py resolves "auto").
 CPU_PREFILL_ATTENTION_CHOICES = ("auto", "native", "sdpa", "measure")
 
 
@@ -69,10 +69,11 @@ class EngineConfig:
                                                # rule in backend/model/cpu_linear.resolve_cpu_linear, timed
                                                # at start-up where it has no figures; measure: always timed
                                                # (backend/model/cpu_linear_tuning.py)
-    cpu_prefill_attention: Literal["auto", "native", "sdpa", "measure"] = "auto"  # CPU attention of fresh prompts:
+    cpu_prefill_attention: Literal["auto", "native", "sdpa", "measure"] = "auto"  # CPU attention of prompts:
                                                # our C kernel or torch's SDPA in the cache's dtype (oneDNN,
                                                # AMX tiles where present); auto: ours without AVX-512 (measured),
-                                               # timed at start-up elsewhere; measure: always timed
+                                               # timed at start-up elsewhere (SDPA from the prompt length where
+                                               # it wins); measure: always timed
                                                # (backend/model/prefill_attention_choice.py)
     fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention

@@ -173,7 +173,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
             pin $pid
             log "$run ready in $((SECONDS - start)) s; $(grep -m1 -E 'linear layers' "$WORK/server_$run.log")"
             log "  $(grep -m1 -o -E 'fused layer ops.*' "$WORK/server_$run.log")"   # the C layer loop, callbacks
-            log "  $(grep -m1 -o -E "fresh prompts' attention.*" "$WORK/server_$run.log")"   # ours or SDPA, timed
+            log "  $(grep -m1 -o -E "prompt attention: .*" "$WORK/server_$run.log")"   # ours or SDPA, timed
             bench ours=triton@127.0.0.1:8000 "$run"
             stop $pid 8000 ;;
         vllm*)

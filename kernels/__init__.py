@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_attention import (EVERY_FRESH_PROMPT, CpuAttentionPlan, PrefillAttention, paged_attention_cpu,
+from kernels.cpu_attention import (EVERY_PREFILL, CpuAttentionPlan, PrefillAttention, paged_attention_cpu,
                                    plan_attention_cpu, reshape_and_cache_cpu)
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 
@@ -86,6 +86,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return paged_attention_reference(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
-__all__ = ["BACKENDS", "CpuAttentionPlan", "EVERY_FRESH_PROMPT", "PrefillAttention", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
+__all__ = ["BACKENDS", "CpuAttentionPlan", "EVERY_PREFILL", "PrefillAttention", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
            "triton_interpreter_enabled",
            "paged_attention_reference", "reshape_and_cache_reference"]

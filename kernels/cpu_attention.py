@@ -20,12 +20,13 @@ layer reuses them:
   kernel (float32 or bfloat16 pages, flash-attention style, causal blocks skipped; all of a
   step's prefills in one call). Without it, each runs one SDPA call over its gathered
   float32 context with the causal mask aligned to the end of the cached context.
-- Fresh prompts (no cached context) of at least ``sdpa_min_tokens`` tokens may instead go to
-  torch's SDPA in the cache's own dtype (chosen at start-up by
-  backend/model/prefill_attention_choice.py):
-  its flash kernel runs oneDNN's brgemm, which uses AMX tiles for bfloat16 where the CPU has
-  them, and no kernel of ours does for attention. On the AVX2 Zen 3 ours ran 2.2-2.45x SDPA's
-  speed, so there it is never chosen.
+- Prefills of at least ``sdpa_min_tokens`` new tokens may instead go to torch's SDPA in the
+  cache's own dtype, one call each (chosen at start-up by
+  backend/model/prefill_attention_choice.py): its flash kernel runs oneDNN's brgemm, which uses
+  AMX tiles for bfloat16 where the CPU has them, and no kernel of ours does for attention. A
+  fresh prompt is plain causal attention over its own K/V; a chunk over cached context attends
+  its gathered context with a mask. On the AVX2 Zen 3 ours ran 2.2-2.45x SDPA's speed, so
+  there it is never chosen.
 
 Scores and softmax are float32 whatever the cache dtype, as in the reference.
 """
@@ -43,14 +44,13 @@ from kernels import cpu_native
 
 
 class PrefillAttention(str, enum.Enum):
-    """Which kernel attends fresh prompts (prefills without cached context) on CPU. Chunks
-    with cached context (chunked prefill, prefix hits) always take ours."""
-    NATIVE = "native"    # our C prefill kernel
-    SDPA = "sdpa"        # torch's scaled_dot_product_attention (flash, in the cache's dtype), for
-                         # fresh prompts of at least a start-up-measured length
+    """Which kernel attends prefills (fresh prompts and chunks over cached context) on CPU."""
+    NATIVE = "native"    # our C prefill kernel, every prefill of a step in one call
+    SDPA = "sdpa"        # torch's scaled_dot_product_attention (flash, in the cache's dtype), one
+                         # call per prefill of at least a start-up-measured length
 
 
-EVERY_FRESH_PROMPT = 1   # sdpa_min_tokens that sends every fresh prompt to SDPA
+EVERY_PREFILL = 2        # sdpa_min_tokens that sends every prefill to SDPA (a prefill has 2+ new tokens)
 
 
 @dataclass
@@ -59,7 +59,22 @@ class PrefillSpan:
     q_start: int
     q_end: int
     slots: torch.Tensor   # [seq_len] cache slots of positions 0..seq_len-1
-    mask: torch.Tensor    # [num_queries, seq_len] bool, True where the query may attend
+    # [num_queries, seq_len] bool, True where the query may attend; None for a fresh prompt
+    # (no cached context: plain causal attention, SDPA's is_causal).
+    mask: torch.Tensor | None
+
+
+def prefill_span(starts: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor, seq: int,
+                 block_size: int) -> PrefillSpan:
+    """Sequence ``seq``'s span (``tables``: int64 block tables)."""
+    q_start, q_end, seq_len = int(starts[seq]), int(starts[seq + 1]), int(seq_lens[seq])
+    positions = torch.arange(seq_len)
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    # Query j is at absolute position context_len + j and sees keys 0..context_len + j.
+    context_len = seq_len - (q_end - q_start)
+    mask = (None if context_len == 0
+            else positions.unsqueeze(0) <= (torch.arange(q_end - q_start) + context_len).unsqueeze(1))
+    return PrefillSpan(q_start, q_end, slots, mask)
 
 
 @dataclass
@@ -93,9 +108,9 @@ class CpuAttentionPlan:
     block_tables: torch.Tensor           # [num_seqs, max_blocks]
     slot_mapping: torch.Tensor
     block_size: int
-    # Fresh prompts for torch's SDPA (sdpa_min_tokens): (first, end) query rows of each.
-    # They are not in the prefill_* arrays above, which then hold only the C kernel's prefills.
-    sdpa_spans: tuple[tuple[int, int], ...] = ()
+    # The prefills torch's SDPA attends (sdpa_min_tokens). They are not in the prefill_* arrays
+    # above, which then hold only the C kernel's prefills.
+    sdpa_spans: tuple[PrefillSpan, ...] = ()
 
     @functools.cached_property
     def torch_plan(self) -> TorchAttentionPlan:
@@ -105,9 +120,8 @@ class CpuAttentionPlan:
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                        slot_mapping: torch.Tensor, block_size: int,
                        sdpa_min_tokens: int | None = None) -> CpuAttentionPlan:
-    """Derive the step's C kernel indices from its metadata (host tensors; one pass). Fresh
-    prompts of at least ``sdpa_min_tokens`` tokens (None: none) are listed in ``sdpa_spans``
-    instead."""
+    """Derive the step's C kernel indices from its metadata (host tensors; one pass). Prefills
+    of at least ``sdpa_min_tokens`` new tokens (None: none) are listed in ``sdpa_spans`` instead."""
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
     query_lens = starts[1:] - starts[:-1]
@@ -119,12 +133,13 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
         decode_tables = block_tables.index_select(0, decode_seqs).to("cpu", torch.int32).contiguous()
     prefill_starts = prefill_query_lens = prefill_seq_lens = prefill_tables = None
     prefill_seqs = (query_lens > 1).nonzero().squeeze(1)
-    sdpa_spans: tuple[tuple[int, int], ...] = ()
+    sdpa_spans: tuple[PrefillSpan, ...] = ()
     if sdpa_min_tokens is not None and prefill_seqs.numel():
-        prefill_lens = query_lens[prefill_seqs]
-        fresh = (prefill_lens == lens[prefill_seqs]) & (prefill_lens >= sdpa_min_tokens)
-        sdpa_spans = tuple((int(starts[seq]), int(starts[seq + 1])) for seq in prefill_seqs[fresh].tolist())
-        prefill_seqs = prefill_seqs[~fresh]
+        to_sdpa = query_lens[prefill_seqs] >= sdpa_min_tokens
+        tables = block_tables.to("cpu", torch.int64)
+        sdpa_spans = tuple(prefill_span(starts, lens, tables, seq, block_size)
+                           for seq in prefill_seqs[to_sdpa].tolist())
+        prefill_seqs = prefill_seqs[~to_sdpa]
     if prefill_seqs.numel():
         prefill_starts, prefill_query_lens = starts[prefill_seqs], query_lens[prefill_seqs]
         prefill_seq_lens = lens[prefill_seqs]
@@ -161,15 +176,8 @@ def plan_torch_attention(plan: CpuAttentionPlan) -> TorchAttentionPlan:
         decode_mask = None if bool(in_range.all()) else in_range.view(num_decodes, 1, 1, decode_max_len)
     decodes_are_all_rows = num_decodes == num_tokens == query_lens.numel()
 
-    prefills: list[PrefillSpan] = []
-    for seq in (query_lens > 1).nonzero().squeeze(1).tolist():
-        q_start, q_end, seq_len = int(starts[seq]), int(starts[seq + 1]), int(lens[seq])
-        positions = torch.arange(seq_len)
-        slots = tables[seq, positions // block_size] * block_size + positions % block_size
-        # Query j is at absolute position context_len + j and sees keys 0..context_len + j.
-        context_len = seq_len - (q_end - q_start)
-        mask = positions.unsqueeze(0) <= (torch.arange(q_end - q_start) + context_len).unsqueeze(1)
-        prefills.append(PrefillSpan(q_start, q_end, slots, mask))
+    prefills = [prefill_span(starts, lens, tables, seq, block_size)
+                for seq in (query_lens > 1).nonzero().squeeze(1).tolist()]
     return TorchAttentionPlan(decode_slots, decode_mask, decode_max_len, decodes_are_all_rows, prefills,
                               write_rows, write_slots)
 
@@ -225,28 +233,27 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         k = _gather(key_cache, span.slots, 1, seq_len)
         v = _gather(value_cache, span.slots, 1, seq_len)
         # A prompt without cached context is plain causal attention: no mask to build or read.
-        fresh = seq_len == span.q_end - span.q_start
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if fresh else span.mask, scale=scale,
-                                           is_causal=fresh, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, is_causal=span.mask is None,
+                                           enable_gqa=True)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1).to(query.dtype)
     return out
 
 
 def sdpa_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
                            plan: CpuAttentionPlan, out: torch.Tensor) -> None:
-    """The plan's fresh prompts (``sdpa_spans``) through torch's SDPA into ``out``'s rows, in
-    the cache's dtype (bfloat16 stays bfloat16: that is what lets oneDNN use AMX; its flash
-    kernel rounds the softmax probabilities to bfloat16 before the weighted sum, as the Triton
-    kernel does). A fresh prompt's K/V are its own new tokens, read from their slots."""
+    """The plan's ``sdpa_spans`` through torch's SDPA into ``out``'s rows, in the cache's dtype
+    (bfloat16 stays bfloat16: that is what lets oneDNN use AMX; its flash kernel rounds the
+    softmax probabilities to bfloat16 before the weighted sum, as the Triton kernel does), each
+    over its sequence's K/V gathered from their slots."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     keys, values = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(-1, num_kv_heads, head_dim)
-    for start, end in plan.sdpa_spans:
-        slots = plan.slot_mapping[start:end]
-        q = query[start:end].transpose(0, 1).unsqueeze(0)                   # [1, heads, n, head_dim]
-        k = keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)        # [1, kv_heads, n, head_dim]
-        v = values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
-        out[start:end] = o.squeeze(0).transpose(0, 1)
+    for span in plan.sdpa_spans:
+        q = query[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)        # [1, heads, n, head_dim]
+        k = keys.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)      # [1, kv_heads, seq_len, head_dim]
+        v = values.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, is_causal=span.mask is None,
+                                           enable_gqa=True)
+        out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,

@@ -42,7 +42,7 @@ def bf16_outputs(request, model_dir: Path, prompts: list[list[int]]) -> list[lis
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, dtype="bfloat16",
                                  max_num_batched_tokens=256, itl_target_ms=0.0, cpu_prefill_attention=request.param))
     print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU), "
-          f"fresh prompts' attention {engine.runner.prefill_attention.path.value}")
+          f"prompt attention {engine.runner.prefill_attention.path.value}")
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     return [o.token_ids for o in outputs]
 

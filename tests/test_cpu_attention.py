@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from backend.model.cpu_features import detect
-from kernels import EVERY_FRESH_PROMPT, cpu_native
+from kernels import EVERY_PREFILL, cpu_native
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 from tests.paged_batches import SCENARIOS, SHAPES, TOLERANCES, PagedBatch, make_batch, scenario_specs, shape_id
 
@@ -104,20 +104,22 @@ def check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, cont
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scenario", ["prefill", "chunked", "mixed"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("sdpa_min_tokens", [EVERY_FRESH_PROMPT, 24])
-def test_sdpa_for_fresh_prompts_matches_reference(dtype: torch.dtype, scenario: str, shape: tuple[int, int, int, int],
-                                                  sdpa_min_tokens: int) -> None:
-    """Fresh prompts (no cached context) of ``sdpa_min_tokens`` tokens and more go to torch's
-    SDPA, every other prefill stays in the C kernel's arrays; together the reference's result."""
+@pytest.mark.parametrize("sdpa_min_tokens", [EVERY_PREFILL, 24])
+def test_sdpa_for_prefills_matches_reference(dtype: torch.dtype, scenario: str, shape: tuple[int, int, int, int],
+                                             sdpa_min_tokens: int) -> None:
+    """Prefills (fresh, or over cached context) of ``sdpa_min_tokens`` new tokens and more go to
+    torch's SDPA, every other prefill stays in the C kernel's arrays; together the reference's
+    result."""
     num_heads, num_kv_heads, head_dim, block_size = shape
     seed = random.randrange(1 << 30)
     specs = scenario_specs(scenario, random.Random(seed), block_size)
     batch = make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, dtype, CPU)
     plan = plan_for(batch, sdpa_min_tokens=sdpa_min_tokens)
     starts = batch.query_start_loc.tolist()
-    to_sdpa = [context == 0 and n > 1 and n >= sdpa_min_tokens for context, n in specs]
-    assert plan.sdpa_spans == tuple((starts[i], starts[i + 1]) for i, sdpa in enumerate(to_sdpa) if sdpa), \
-        f"seed {seed}, specs {specs}"
+    to_sdpa = [n > 1 and n >= sdpa_min_tokens for _, n in specs]
+    assert [(span.q_start, span.q_end, span.slots.numel(), span.mask is None) for span in plan.sdpa_spans] == [
+        (starts[i], starts[i + 1], context + n, context == 0)
+        for i, ((context, n), sdpa) in enumerate(zip(specs, to_sdpa)) if sdpa], f"seed {seed}, specs {specs}"
     to_c = sum(1 for (_, n), sdpa in zip(specs, to_sdpa) if n > 1 and not sdpa)
     assert (0 if plan.prefill_starts is None else plan.prefill_starts.numel()) == to_c
     actual, expected = attend(batch, plan)

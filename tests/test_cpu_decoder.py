@@ -20,7 +20,7 @@ from backend.model.cpu_decoder import CpuDecoder
 from backend.model.cpu_linear import (Int8Linear, TorchLinear, native_kernel_available, native_linear,
                                       onednn_packing_available, replace_linears)
 from backend.model.llama import AttentionMetadata, CausalLM
-from kernels import EVERY_FRESH_PROMPT, cpu_attention
+from kernels import EVERY_PREFILL, cpu_attention
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 
@@ -143,39 +143,40 @@ def test_c_decoder_gives_the_loops_bits(dtype: torch.dtype, qkv_bias: bool, step
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("step", ["fresh-prompts", "fresh-chunk-decode", "mixed"])
+@pytest.mark.parametrize("step", ["fresh-prompts", "fresh-chunk-decode", "mixed", "decodes"])
 @pytest.mark.parametrize("linear", ["native", "torch"])
 def test_sdpa_prompts_are_called_back_with_the_loops_bits(dtype: torch.dtype, step: str, linear: str,
                                                           monkeypatch) -> None:
-    """SDPA for every fresh prompt: each layer calls back once for the step's fresh prompts (and
-    not at all in a step without one), which torch's SDPA attends, while the C kernels attend
-    the other rows; the loop's bits."""
+    """SDPA for every prefill: each layer calls back once for the step's prefills (and not at all
+    in a step without one), which torch's SDPA attends, while the C kernels attend the decode
+    rows; the loop's bits."""
     model = tiny_model(dtype, False, linear)
-    model.sdpa_prompt_min_tokens = EVERY_FRESH_PROMPT
+    model.sdpa_prompt_min_tokens = EVERY_PREFILL
     spans_seen = []
     real_sdpa = cpu_attention.sdpa_prefill_attention
     monkeypatch.setattr(cpu_decoder, "sdpa_prefill_attention",
-                        lambda *args: spans_seen.append(args[4].sdpa_spans) or real_sdpa(*args))
+                        lambda *args: spans_seen.append([(s.q_start, s.q_end) for s in args[4].sdpa_spans])
+                        or real_sdpa(*args))
     assert_same_bits(loop_and_c_results(model, step, monkeypatch))
-    query_lens, cached = STEPS[step]
+    query_lens, _ = STEPS[step]
     starts = list(itertools.accumulate(query_lens, initial=0))
-    fresh = tuple((starts[i], starts[i + 1]) for i, (n, c) in enumerate(zip(query_lens, cached)) if n > 1 and c == 0)
-    assert spans_seen == [fresh] * (3 if fresh else 0)
+    prefills = [(starts[i], starts[i + 1]) for i, n in enumerate(query_lens) if n > 1]
+    assert spans_seen == [prefills] * (3 if prefills else 0)
 
 
 @needs_kernel
 def test_sdpa_prompts_change_only_what_rounding_allows() -> None:
-    """The same float32 step with SDPA for its fresh prompts and with our kernel: logits equal
+    """The same float32 step with SDPA for its prefills and with our kernel: logits equal
     up to the order of float32 sums (a wrong row, head or mask would be far off)."""
     model = tiny_model(torch.float32, False)
     meta, tokens = step_metadata(*STEPS["fresh-chunk-decode"])
     input_ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
     logits = {}
-    for min_tokens in (None, EVERY_FRESH_PROMPT):
+    for min_tokens in (None, EVERY_PREFILL):
         model.sdpa_prompt_min_tokens = min_tokens
         with torch.inference_mode():
             logits[min_tokens] = model(input_ids, meta, caches(torch.float32))
-    torch.testing.assert_close(logits[EVERY_FRESH_PROMPT], logits[None], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[EVERY_PREFILL], logits[None], atol=1e-4, rtol=1e-4)
 
 
 class StandInLoRA:

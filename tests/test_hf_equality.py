@@ -69,7 +69,8 @@ CONFIGS = {
     "priority_few_seqs": dict(block_size=16, num_kv_blocks=512, scheduling_policy="priority", max_num_seqs=3,
                               **FIXED_BUDGET),
     "static": dict(block_size=16, num_kv_blocks=512, batching="static", max_num_seqs=5, **FIXED_BUDGET),
-    # Fresh prompts through torch's SDPA (what cpu_prefill_attention=auto may pick on AVX-512 CPUs).
+    # Prompts (fresh, and chunks over cached context) through torch's SDPA (what
+    # cpu_prefill_attention=auto may pick on AVX-512 CPUs).
     "sdpa_prompts": dict(block_size=16, num_kv_blocks=512, cpu_prefill_attention="sdpa", **FIXED_BUDGET),
 }
 # Speculative decoding (n-gram drafts, verified in the same step) must not change a token. The

@@ -1,4 +1,4 @@
-"""The start-up choice of the kernel for fresh prompts' attention on CPU
+"""The start-up choice of the kernel for prompts' attention on CPU
 (backend/model/prefill_attention_choice.py): the rule with faked CPU features and a faked clock,
 so it is covered on every machine, and one real timing here."""
 
@@ -12,9 +12,9 @@ import torch
 from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures
-from backend.model.prefill_attention_choice import (NATIVE_MARGIN, PROMPT_LENGTHS, TOLERANCE, choose_prefill_attention,
+from backend.model.prefill_attention_choice import (CONTEXT_TOKENS, NATIVE_MARGIN, PROMPT_LENGTHS, TOLERANCE, choose_prefill_attention,
                                                     native_kernel_runs, sdpa_threshold)
-from kernels import EVERY_FRESH_PROMPT, PrefillAttention
+from kernels import EVERY_PREFILL, PrefillAttention
 
 AVX2 = CpuFeatures.of("avx2", "fma")
 AVX512 = CpuFeatures.of("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")
@@ -31,10 +31,16 @@ needs_kernel = pytest.mark.skipif(not native_kernel_runs(torch.float32),
 NATIVE, SDPA = PrefillAttention.NATIVE, PrefillAttention.SDPA
 
 
-def ladder(ours: list[float | None], sdpa: list[float | None]) -> dict[int, dict[PrefillAttention, float]]:
-    """Timings at PROMPT_LENGTHS (None: that path left out)."""
-    return {length: {path: ms for path, ms in ((NATIVE, o), (SDPA, s)) if ms is not None}
-            for length, o, s in zip(PROMPT_LENGTHS, ours, sdpa, strict=True)}
+def ladder(ours: list[float | None], sdpa: list[float | None],
+           sdpa_over_context: list[float | None] | None = None) -> dict[tuple[int, int], dict[PrefillAttention, float]]:
+    """Timings at PROMPT_LENGTHS over each of CONTEXT_TOKENS (None: that path left out); over
+    cached context SDPA takes ``sdpa_over_context`` where given."""
+    timings = {}
+    for context in CONTEXT_TOKENS:
+        sdpa_here = sdpa if context == 0 or sdpa_over_context is None else sdpa_over_context
+        for length, o, s in zip(PROMPT_LENGTHS, ours, sdpa_here, strict=True):
+            timings[length, context] = {path: ms for path, ms in ((NATIVE, o), (SDPA, s)) if ms is not None}
+    return timings
 
 
 class FakeTimer:
@@ -80,7 +86,14 @@ def test_auto_with_avx512_is_timed_and_sdpa_gets_the_prompts_it_wins(features: C
     choice = choose_prefill_attention("auto", torch.bfloat16, ARCH, 16, features=features, timer=timer)
     assert timer.calls == 1 and choice.sdpa_min_tokens == expected
     assert choice.path is (NATIVE if expected is None else SDPA)
-    assert "512 tokens native 5.00" in choice.why and choice.timings_ms == timer.timings
+    assert "512 tokens over 0: native 5.00" in choice.why and choice.timings_ms == timer.timings
+
+
+def test_sdpa_must_win_over_cached_context_too() -> None:
+    """A prefill length goes to SDPA only where it wins both fresh and over cached context."""
+    wins_fresh = [0.05, 0.1, 0.2, 0.5, 1.0]
+    assert sdpa_threshold(ladder(OURS, wins_fresh, [0.05, 0.1, 0.2, 1.6, 1.0])) == 512
+    assert sdpa_threshold(ladder(OURS, wins_fresh, [0.05, 0.1, 0.2, 0.5, 5.0])) is None
 
 
 def test_the_margin_decides_a_close_race() -> None:
@@ -99,13 +112,13 @@ def test_a_wrong_path_is_never_chosen(caplog: pytest.LogCaptureFixture) -> None:
     assert choice.path is NATIVE and choice.sdpa_min_tokens is None
     assert "sdpa computes wrong results" in caplog.text
     # Ours left out: SDPA takes every fresh prompt.
-    assert sdpa_threshold(ladder([None] * 5, [1.0] * 5)) == EVERY_FRESH_PROMPT
+    assert sdpa_threshold(ladder([None] * 5, [1.0] * 5)) == EVERY_PREFILL
     with pytest.raises(RuntimeError, match="no prefill attention computes correct results"):
         choose_prefill_attention("measure", torch.float32, ARCH, 16, timer=FakeTimer(ladder([None] * 5, [None] * 5)))
 
 
 @needs_kernel
-@pytest.mark.parametrize("choice,min_tokens", [("native", None), ("sdpa", EVERY_FRESH_PROMPT)])
+@pytest.mark.parametrize("choice,min_tokens", [("native", None), ("sdpa", EVERY_PREFILL)])
 def test_an_explicit_choice_is_taken_as_given(choice: str, min_tokens: int | None) -> None:
     timer = FakeTimer(ladder(OURS, [0.01] * 5))
     chosen = choose_prefill_attention(choice, torch.float32, ARCH, 16, features=AMX, timer=timer)
@@ -131,6 +144,6 @@ def test_unknown_choices_are_refused() -> None:
 def test_measure_times_both_paths_at_every_length_here(dtype: torch.dtype) -> None:
     """The real timer on this machine: both paths pass the check and get a time at each length."""
     choice = choose_prefill_attention("measure", dtype, ARCH, 16)
-    assert sorted(choice.timings_ms) == list(PROMPT_LENGTHS)
+    assert sorted(choice.timings_ms) == [(n, c) for n in PROMPT_LENGTHS for c in CONTEXT_TOKENS]
     assert all(set(paths) == set(PrefillAttention) and all(0 < ms < 10_000 for ms in paths.values())
                for paths in choice.timings_ms.values())

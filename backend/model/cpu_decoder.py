@@ -242,7 +242,7 @@ class CpuDecoder:
             return None
 
     def _run_prefill_attention(self, layer: int) -> int:
-        """decoder.c's callback for the step's fresh prompts that torch's SDPA attends: reads q
+        """decoder.c's callback for the step's prefills that torch's SDPA attends: reads q
         from the scratch, writes their rows of the attention output there (C has written the
         other rows). Returns a non-NULL address: success."""
         q, attn = self._attention_views

@@ -189,7 +189,7 @@ class CausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
         self.layer_ops: ModuleType | None = None        # set by use_fused_layer_ops
         self.cpu_decoder: CpuDecoder | None = None      # set by use_fused_layer_ops: the C layer loop
-        # With the cpu backend, fresh prompts of at least this many tokens go to torch's SDPA
+        # With the cpu backend, prefills of at least this many new tokens go to torch's SDPA
         # (None: none; the model runner's start-up choice, backend/model/prefill_attention_choice.py).
         self.sdpa_prompt_min_tokens: int | None = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)

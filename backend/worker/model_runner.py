@@ -130,7 +130,7 @@ class ModelRunner:
                                                           self.device.type == "cpu" and self.attention_backend == "cpu")
         self.model.sdpa_prompt_min_tokens = self.prefill_attention.sdpa_min_tokens
         if self.device.type == "cpu":
-            self.startup_notes.append(f"fresh prompts' attention: {self.prefill_attention.describe()}")
+            self.startup_notes.append(f"prompt attention: {self.prefill_attention.describe()}")
             logger.info("%s", self.startup_notes[-1])
         self.startup_notes.append(f"fused layer ops (RMSNorm + residual, RoPE + KV write, SiLU x up): "
                                   f"{self.model.fused_layer_ops or 'off (torch ops)'}{self._cpu_decoder_note()}")

@@ -100,7 +100,7 @@ enum { PROJECTION_QKV, PROJECTION_O, PROJECTION_GATE_UP, PROJECTION_DOWN };
 typedef void *(*external_projection_t)(int64_t layer, int64_t projection);
 
 /* Not a projection: the id ``external`` is called with, once a layer, for the prefill rows the
- * caller attends itself (fresh prompts through torch's SDPA: kernels/cpu_attention.py). It reads
+ * caller attends itself (prefills through torch's SDPA: kernels/cpu_attention.py). It reads
  * q from the scratch and the layer's caches, and writes those rows of the attention output in
  * the scratch; the pointer it returns only says it succeeded (NULL: stop the step). */
 enum { EXTERNAL_PREFILL_ATTENTION = 4 };
