@@ -11,15 +11,16 @@
 #
 # (a stash call per piece but the last). .devmodel/ holds the model folder's config.json and
 # tokenizer, no weights: both servers load random ones (--load-format dummy; the checkpoint does
-# not fit a call). Carry it (and .peerlibs/) in every call that serves: a call's ignored paths
-# did not outlive it there (2026-11-26), while /tmp did. `run` does STAGES (default "tests linear
-# serve"; each call above names its own): `tests`, our bfloat16 kernels' tests on that CPU (the
-# AMX version runs there); `linear`, the linear paths timed; `attention`, our attention against
-# torch's SDPA for prompts (~1 minute); `prewarm`, vLLM started once per dtype of RUNS, all at
-# once, and stopped once ready (its first torch.compile warm-up takes 2-3.5 minutes; its compile
-# cache then shortens the measured starts, so that the default's first four served runs may fit
-# the 10 minutes of one call; the fifth, ours with our prompt attention forced, is a bonus); `serve`, RUNS served with benchmarks.serving, workloads A and B. RUNS
-# items: `ours` plus engine parameters joined by "+" (ours+cpu_linear=native), vllm-DTYPE, or
+# not fit a call). Carry it (and .peerlibs/) in every call that serves: a call's ignored paths did
+# not outlive it there (2026-11-26), while /tmp did. `run` does STAGES (default "tests linear
+# serve"; each call above names its own): `tests`, our bfloat16 kernels' tests on that CPU (the AMX
+# version runs there); `linear`, the linear paths timed; `attention`, our attention against torch's
+# SDPA for prompts, and the engine's choice between them (~2 minutes); `prewarm`, vLLM started once
+# per dtype of RUNS, all at once, and stopped once ready (its first torch.compile warm-up takes
+# 2-3.5 minutes; its compile cache then shortens the measured starts, so that the default's first
+# four served runs may fit the 10 minutes of one call; the fifth, ours with our prompt attention
+# forced, is a bonus); `serve`, RUNS served with benchmarks.serving, workloads A and B. RUNS items:
+# `ours` plus engine parameters joined by "+" (ours+cpu_linear=native), vllm-DTYPE, or
 # vllm-DTYPE+preload (with the LD_PRELOAD of vLLM's docs). vLLM goes first by default, so nothing
 # of ours has run on the machine when it is measured. Results: $OUT/summary.txt and
 # $OUT/results.tar.gz (JSON, logs).
@@ -100,6 +101,16 @@ if [[ " $STAGES " == *" attention "* ]]; then
     log "== attention, ours against torch SDPA and the generic build"
     OMP_NUM_THREADS=2 timeout 150 taskset -c $PIN $OURS -m benchmarks.cpu_attention --sdpa --dtypes bfloat16,float32 \
         --rounds 5 2>&1 | tee -a "$SUMMARY" | tail -7
+    # The engine's start-up choice (ours or SDPA, by prompt length) and one 512-token prefill step
+    # each way (docs/benchmarks.md, "Prompts through SDPA where it wins").
+    log "== prompt attention: the start-up choice, and a prefill step with ours and with SDPA"
+    OMP_NUM_THREADS=2 timeout 120 taskset -c $PIN $OURS -c "
+from backend import Engine, EngineConfig
+engine = Engine(EngineConfig(dtype='bfloat16', load_format='dummy', num_kv_blocks=128, itl_target_ms=0.0))
+print(next(n for n in engine.runner.startup_notes if 'prompt attention' in n))" 2>&1 | tail -1 | tee -a "$SUMMARY"
+    OMP_NUM_THREADS=2 timeout 150 taskset -c $PIN $OURS -m benchmarks.prefill_roofline --dtypes bfloat16 \
+        --prefill-attention native,sdpa --load-format dummy --peak-iters 20000000 \
+        --json "$WORK/prefill_attention.json" 2>&1 | tail -5 | tee -a "$SUMMARY"
 fi
 
 tree() { echo "$1"; for child in $(pgrep -P "$1"); do tree "$child"; done; }   # $1 and its descendants
