@@ -14,16 +14,16 @@
 # not fit a call). Carry it (and .peerlibs/) in every call that serves: a call's ignored paths did
 # not outlive it there (2026-11-26), while /tmp did. `run` does STAGES (default "tests linear
 # serve"; each call above names its own): `tests`, our bfloat16 kernels' tests on that CPU (the AMX
-# version runs there); `linear`, the linear paths timed; `attention`, our attention against torch's
-# SDPA for prompts, and the engine's choice between them (~2 minutes); `prewarm`, vLLM started once
-# per dtype of RUNS, all at once, and stopped once ready (its first torch.compile warm-up takes
-# 2-3.5 minutes; its compile cache then shortens the measured starts, so that the default's first
-# four served runs may fit the 10 minutes of one call; the fifth, ours with our prompt attention
-# forced, is a bonus); `serve`, RUNS served with benchmarks.serving, workloads A and B. RUNS items:
-# `ours` plus engine parameters joined by "+" (ours+cpu_linear=native), vllm-DTYPE, or
-# vllm-DTYPE+preload (with the LD_PRELOAD of vLLM's docs). vLLM goes first by default, so nothing
-# of ours has run on the machine when it is measured. Results: $OUT/summary.txt and
-# $OUT/results.tar.gz (JSON, logs).
+# version runs there) and the attention ones; `linear`, the linear paths timed; `attention`, our
+# attention against torch's SDPA for prompts, and the engine's choice between them (~2 minutes);
+# `prewarm`, vLLM started once per dtype of RUNS, all at once, and stopped once ready (its first
+# torch.compile warm-up takes 2-3.5 minutes; its compile cache then shortens the measured starts,
+# so that the default's first four served runs may fit the 10 minutes of one call; the fifth, ours
+# with our prompt attention forced, is a bonus); `serve`, RUNS served with benchmarks.serving,
+# workloads A and B. RUNS items: `ours` plus engine parameters joined by "+"
+# (ours+cpu_linear=native), vllm-DTYPE, or vllm-DTYPE+preload (with the LD_PRELOAD of vLLM's docs).
+# vLLM goes first by default, so nothing of ours has run on the machine when it is measured.
+# Results: $OUT/summary.txt and $OUT/results.tar.gz (JSON, logs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -85,7 +85,10 @@ if [[ " $STAGES " == *" tests "* ]]; then
     # The tiles in a child process first (kernels/amx_probe.py): whether they run here at all.
     log "$(timeout 120 $OURS -c 'import torch; from kernels import cpu_native as c; r = c.amx_probe_result()
 print(c.linear_bf16_version(), r.describe() if r else "(no AMX version built)")' 2>&1 | tail -1)"
-    OMP_NUM_THREADS=2 timeout 150 $OURS -m pytest -q -p no:cacheprovider -rs tests/test_linear_bf16.py > "$WORK/tests.log" 2>&1
+    # test_cpu_attention: the AVX-512 attention versions, and torch's SDPA on prompts (oneDNN's AMX
+    # path here) against the reference; test_prefill_attention_choice: the start-up choice's timing.
+    OMP_NUM_THREADS=2 timeout 240 $OURS -m pytest -q -p no:cacheprovider -rs tests/test_linear_bf16.py \
+        tests/test_cpu_attention.py tests/test_prefill_attention_choice.py > "$WORK/tests.log" 2>&1
     log "tests rc=$?: $(tail -1 "$WORK/tests.log")"
     grep -E "^FAILED|NOT RUN" "$WORK/tests.log" | sort | uniq -c | head -10 | tee -a "$SUMMARY"
 fi
