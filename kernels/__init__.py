@@ -47,8 +47,8 @@ def _triton() -> ModuleType:
 def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                    slot_mapping: torch.Tensor, block_size: int, backend: str,
                    sdpa_min_tokens: int | None = None) -> CpuAttentionPlan | None:
-    """Per-step work shared by every layer (the CPU path's gather indices, and which fresh
-    prompts torch's SDPA attends: ``plan_attention_cpu``); None for the backends that need none."""
+    """Per-step work shared by every layer (the CPU path's gather indices, and which prefills
+    torch's SDPA attends: ``plan_attention_cpu``); None for the backends that need none."""
     if backend == "cpu":
         return plan_attention_cpu(query_start_loc, seq_lens, block_tables, slot_mapping, block_size,
                                   sdpa_min_tokens)
@@ -86,6 +86,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return paged_attention_reference(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
-__all__ = ["BACKENDS", "CpuAttentionPlan", "EVERY_PREFILL", "PrefillAttention", "paged_attention", "plan_attention", "reshape_and_cache", "resolve_backend",
-           "triton_interpreter_enabled",
+__all__ = ["BACKENDS", "CpuAttentionPlan", "EVERY_PREFILL", "PrefillAttention", "paged_attention", "plan_attention",
+           "reshape_and_cache", "resolve_backend", "triton_interpreter_enabled",
            "paged_attention_reference", "reshape_and_cache_reference"]

@@ -194,11 +194,12 @@ def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: tor
                                                              value.to(value_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """``[batch, num_kv_heads, length, head_dim]`` float32 K or V of the given slots."""
+def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int, length: int,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[batch, num_kv_heads, length, head_dim]`` K or V of the given slots, in ``dtype``."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
     flat = cache.view(-1, num_kv_heads * head_dim).index_select(0, slots)   # 2-D rows: ~2x faster
-    return flat.view(batch, length, num_kv_heads, head_dim).transpose(1, 2).float()
+    return flat.view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
 
 
 def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -223,19 +224,11 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                                                scale)
         sdpa_prefill_attention(query, key_cache, value_cache, scale, plan, out)
         return out
-    # torch's path below attends every prefill, sdpa_spans included (torch_plan lists them all).
+    # torch's path attends every prefill, sdpa_spans included (torch_plan lists them all), in
     # float32 whatever the cache dtype: torch's CPU flash attention would take bfloat16 as it
     # is (no widened copies, 13% faster for a 512-token prompt), but it rounds the softmax
     # probabilities to bfloat16 before the weighted sum (2% of outputs off by 1-2 units).
-    for span in plan.torch_plan.prefills:
-        seq_len = span.slots.numel()
-        q = query[span.q_start:span.q_end].float().transpose(0, 1).unsqueeze(0)   # [1, heads, n, head_dim]
-        k = _gather(key_cache, span.slots, 1, seq_len)
-        v = _gather(value_cache, span.slots, 1, seq_len)
-        # A prompt without cached context is plain causal attention: no mask to build or read.
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, is_causal=span.mask is None,
-                                           enable_gqa=True)
-        out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1).to(query.dtype)
+    _prefills_through_sdpa(query, key_cache, value_cache, scale, plan.torch_plan.prefills, out, torch.float32)
     return out
 
 
@@ -243,17 +236,24 @@ def sdpa_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            plan: CpuAttentionPlan, out: torch.Tensor) -> None:
     """The plan's ``sdpa_spans`` through torch's SDPA into ``out``'s rows, in the cache's dtype
     (bfloat16 stays bfloat16: that is what lets oneDNN use AMX; its flash kernel rounds the
-    softmax probabilities to bfloat16 before the weighted sum, as the Triton kernel does), each
-    over its sequence's K/V gathered from their slots."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    keys, values = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(-1, num_kv_heads, head_dim)
-    for span in plan.sdpa_spans:
-        q = query[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)        # [1, heads, n, head_dim]
-        k = keys.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)      # [1, kv_heads, seq_len, head_dim]
-        v = values.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
+    softmax probabilities to bfloat16 before the weighted sum, as the Triton kernel does)."""
+    _prefills_through_sdpa(query, key_cache, value_cache, scale, plan.sdpa_spans, out, key_cache.dtype)
+
+
+def _prefills_through_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                           spans: list[PrefillSpan] | tuple[PrefillSpan, ...], out: torch.Tensor,
+                           dtype: torch.dtype) -> None:
+    """One SDPA call per span in ``dtype``, over its sequence's K/V gathered from their slots,
+    into ``out``'s rows."""
+    for span in spans:
+        seq_len = span.slots.numel()
+        q = query[span.q_start:span.q_end].to(dtype).transpose(0, 1).unsqueeze(0)   # [1, heads, n, head_dim]
+        k = _gather(key_cache, span.slots, 1, seq_len, dtype)
+        v = _gather(value_cache, span.slots, 1, seq_len, dtype)
+        # A prompt without cached context is plain causal attention: no mask to build or read.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, is_causal=span.mask is None,
                                            enable_gqa=True)
-        out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
+        out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1).to(out.dtype)
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,

@@ -172,7 +172,7 @@ class CpuDecoder:
         # A LoRA step: the projections its adapters adapt are called back, their deltas added there.
         lora_mask = 0 if lora is None else sum(1 << which for which in Projection if lora.slots.adapts(which.name))
         scratch = self._scratch_for(h.shape[0], self.external_projections > 0 or lora_mask != 0
-                                    or bool(plan.sdpa_spans))
+                                    or step.external_prefill_attention != 0)
         self._with_lora, self._error, self._gate_up_layer, self._plan = lora is not None, None, -1, plan
         status = cpu_native.load().decoder_layers(self.is_bf16, self.layers, len(self.layers), ctypes.byref(self.shape),
                                                   ctypes.byref(step), h.data_ptr(), scratch.data_ptr(),

@@ -36,6 +36,7 @@ import torch
 from backend.config import CPU_PREFILL_ATTENTION_CHOICES
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
+from backend.model.cpu_linear_tuning import relative_error
 from kernels import cpu_native
 from kernels.cpu_attention import EVERY_PREFILL, PrefillAttention, paged_attention_cpu, plan_attention_cpu
 from kernels.reference import paged_attention_reference
@@ -106,19 +107,19 @@ def time_prefill_attention(arch: ModelArchitecture, dtype: torch.dtype, block_si
         for path in PrefillAttention:
             try:
                 rows, plan = prefill(*longest, path)
-                out = paged_attention_cpu(rows, key_cache, value_cache, scale, plan, native=True).float()
-                errors[path] = (float("inf") if not torch.isfinite(out).all()
-                                else ((out - reference).abs().max() / reference.abs().max()).item())
+                errors[path] = relative_error(paged_attention_cpu(rows, key_cache, value_cache, scale, plan,
+                                                                  native=True), reference)
             except Exception as exc:   # a path that cannot run here is no candidate, not a failed start
                 logger.warning("cpu_prefill_attention: %s raised %r while being checked: not used", path.value, exc)
                 errors[path] = float("inf")
         candidates = [path for path in PrefillAttention if errors[path] <= TOLERANCE[dtype]]
         cases = [(length, context) for length in lengths for context in contexts]
+        prefills = {(case, path): prefill(*case, path) for case in cases for path in candidates}
         best: Timings = {case: {path: float("inf") for path in candidates} for case in cases}
         for _ in range(rounds):
             for case in cases:
                 for path in candidates:
-                    rows, plan = prefill(*case, path)
+                    rows, plan = prefills[case, path]
                     start = time.perf_counter()
                     paged_attention_cpu(rows, key_cache, value_cache, scale, plan, native=True)
                     best[case][path] = min(best[case][path], (time.perf_counter() - start) * 1e3)
