@@ -168,11 +168,13 @@ FIXED_BUDGET_PARAMS = {key: f"{value:g}" for key, value in FIXED_BUDGET.items()}
 def server(tmp_path_factory, model_dir: Path):
     """The real tritonserver with the llm model, shared by the server tests of a session.
     Speculative decoding is on, as a user would turn it on: it must change no output (greedy
-    and seeded outputs are compared with an engine without it)."""
+    and seeded outputs are compared with an engine without it). Drafts up to running batches of
+    32 (the default is 4), so that tests send their drafted samples as one request of n > 4."""
     from server.launch import TritonServer, free_ports
 
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram", "dtype": "float32"},
+    srv = TritonServer(*free_ports(3), params={"speculative_method": "ngram", "dtype": "float32",
+                                               "speculative_max_batch_size": "32"},
                        log_file=log)
     srv.start(timeout=300)
     yield srv

@@ -13,8 +13,8 @@ from torch import nn
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.model.cpu_features import CpuFeatures
-from backend.model.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, onednn_packing_available, pack_panels,
-                                replace_linears, resolve_cpu_linear)
+from backend.model.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, onednn_packing_available, pack_pairs,
+                                pack_panels, replace_linears, resolve_cpu_linear)
 from kernels import cpu_native
 
 
@@ -109,6 +109,19 @@ def test_pack_panels_layout() -> None:
     assert packed.shape == (2, 3, 16)
     assert torch.equal(packed[0, :, 5], weight[5]) and torch.equal(packed[1, :, 3], weight[19])
     assert not packed[1, :, 4:].any()
+
+
+@pytest.mark.parametrize("out_features", [1, 15, 16, 17, 48, 53])
+def test_panels_equal_the_padded_then_transposed_weight(out_features: int) -> None:
+    """The packing's single copy against the obvious two: pad to whole panels, then transpose."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 6, generator=gen)
+    panels = -(-out_features // 16)
+    padded = torch.zeros(panels * 16, 6)
+    padded[:out_features] = weight
+    assert torch.equal(pack_panels(weight), padded.view(panels, 16, 6).transpose(1, 2).contiguous())
+    pairs = padded.bfloat16().view(panels, 16, 3, 2).transpose(1, 2).contiguous()
+    assert torch.equal(pack_pairs(weight.bfloat16()), pairs)
 
 
 # Row counts cover every tile height (1-6), how a panel's rows are split into tiles (8: 6 + 2,
