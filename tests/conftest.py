@@ -64,9 +64,10 @@ LONGEST_MODULES_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # `make test` collects the server tests only from the files that say "pytest.mark.server"
     # (Makefile, SERVER_TEST_FILES): a server test marked another way would never run.
-    for item in items:
-        if item.get_closest_marker("server") and "pytest.mark.server" not in item.path.read_text():
-            raise pytest.UsageError(f"{item.nodeid}: mark server tests with pytest.mark.server (Makefile)")
+    server_paths = {item.path for item in items if item.get_closest_marker("server")}
+    for path in server_paths:       # each file read once, not once per test
+        if "pytest.mark.server" not in path.read_text():
+            raise pytest.UsageError(f"{path.name}: mark server tests with pytest.mark.server (Makefile)")
     rank = {name: i for i, name in enumerate(LONGEST_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest keep their order
 
