@@ -26,7 +26,10 @@ from backend.model.cpu_linear import Float32Logits, linear_maker, replace_linear
 
 def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
     dim = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even inside a ``torch.device("meta")`` block (the loader's): arithmetic on meta
+    # tensors runs through torch's Python decompositions, whose first call imports torch._dynamo
+    # (~2 s of every engine start).
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = arch.rope_scaling
     if scaling is None:
         return inv_freq
@@ -182,7 +185,10 @@ class CausalLM(nn.Module):
         self.arch = arch
         self.attention_backend = attention_backend
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Given its weight, nn.Embedding skips its random init (on meta tensors, another import
+        # of torch._dynamo; see rope_inverse_frequencies): the loader fills the weight anyway.
+        self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                               _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend, i) for i in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
