@@ -14,13 +14,23 @@ from tests.conftest import FIXED_BUDGET, hf_greedy, hf_greedy_shared
 MAX_NEW_TOKENS = 24
 # Very different lengths, 1 to 430 tokens, submitted at once.
 PROMPT_LENGTHS = [1, 3, 7, 12, 25, 41, 64, 97, 150, 231, 333, 430]
-SHARED_PREFIX_LEN = 200
+# Configs about which requests share a step (block size, policy, batching mode, drafts) take the
+# prompts up to 231 tokens: 631 prompt tokens instead of 1,394, the same batch kinds, and their
+# reference is a slice of the full one. The long two stay where prompt length is the point
+# (chunking, whole-prompt steps, preemption, prompt attention, chunks sized to the ITL target).
+SHORT_PROMPT_MAX_LEN = 231
+SHARED_PREFIX_LEN = 120       # 7.5 blocks of 16: the last shared block is a partial one
 
 
 @pytest.fixture(scope="module")
 def mixed_prompts(prose_ids: list[int]) -> list[list[int]]:
     # Different offsets so prompts do not share prefixes by accident.
     return [prose_ids[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def short_prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
+    return [p for p in mixed_prompts if len(p) <= SHORT_PROMPT_MAX_LEN]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +42,11 @@ def shared_prefix_prompts(prose_ids: list[int]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_mixed(hf_model, mixed_prompts) -> list[list[int]]:
     return hf_greedy_shared(hf_model, mixed_prompts, MAX_NEW_TOKENS)    # test_bf16_agreement's too
+
+
+@pytest.fixture(scope="module")
+def hf_short(hf_mixed, short_prompts) -> list[list[int]]:
+    return hf_mixed[:len(short_prompts)]       # PROMPT_LENGTHS ascend
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +93,7 @@ CONFIGS = {
 # lifted so that every step may carry drafts.
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch_size=64)
 SPEC_CONFIGS = {f"{name}+spec": {**CONFIGS[name], **SPEC} for name in ("block16", "block4", "chunked_small_budget")}
+SHORT_PROMPT_CONFIGS = {"block4", "priority_few_seqs", "static", *SPEC_CONFIGS}
 
 
 def assert_speculated(engine: Engine, config: dict) -> None:
@@ -86,10 +102,12 @@ def assert_speculated(engine: Engine, config: dict) -> None:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) + list(SPEC_CONFIGS))
-def test_greedy_matches_transformers(name: str, model_dir: Path, mixed_prompts, hf_mixed) -> None:
+def test_greedy_matches_transformers(name: str, model_dir: Path, mixed_prompts, hf_mixed, short_prompts,
+                                     hf_short) -> None:
     config = {**CONFIGS, **SPEC_CONFIGS}[name]
-    engine, ours = run_engine(EngineConfig(model=str(model_dir), **config), mixed_prompts)
-    assert_same_tokens(ours, hf_mixed)
+    prompts, reference = (short_prompts, hf_short) if name in SHORT_PROMPT_CONFIGS else (mixed_prompts, hf_mixed)
+    engine, ours = run_engine(EngineConfig(model=str(model_dir), **config), prompts)
+    assert_same_tokens(ours, reference)
     assert_speculated(engine, config)
     if "cpu_prefill_attention" in config:
         assert engine.runner.prefill_attention.path.value == config["cpu_prefill_attention"]
@@ -122,7 +140,7 @@ def test_shared_prefix_hits_cache(spec: dict, model_dir: Path, shared_prefix_pro
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, **spec),
                               shared_prefix_prompts)
     first_hits = engine.stats().prefix_cache_hit_tokens
-    assert first_hits > 0, "requests sharing a 200-token prefix got no prefix-cache hit"
+    assert first_hits > 0, f"requests sharing a {SHARED_PREFIX_LEN}-token prefix got no prefix-cache hit"
     assert_same_tokens(ours, hf_shared)
     # A second round finds everything but each prompt's last block cached.
     again = engine.generate(shared_prefix_prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
@@ -141,13 +159,13 @@ def test_shared_prefix_chunked_and_small_blocks(model_dir: Path, shared_prefix_p
     assert_same_tokens(ours, hf_shared)
 
 
-def test_requests_joining_mid_flight(model_dir: Path, mixed_prompts, hf_mixed) -> None:
+def test_requests_joining_mid_flight(model_dir: Path, short_prompts, hf_short) -> None:
     """Requests arriving while others decode (true continuous batching) still match."""
     engine = Engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512,
                                  max_num_batched_tokens=128, **FIXED_BUDGET))
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
     results: dict[str, list[int]] = {}
-    pending = list(enumerate(mixed_prompts))
+    pending = list(enumerate(short_prompts))
     max_running = 0
     while pending or engine.has_unfinished_requests():
         if pending:  # one new arrival every step
@@ -159,7 +177,7 @@ def test_requests_joining_mid_flight(model_dir: Path, mixed_prompts, hf_mixed) -
         max_running = max(max_running, engine.stats().num_running)
         engine.check_invariants()
     assert max_running > 1
-    assert_same_tokens([results[f"r{i}"] for i in range(len(mixed_prompts))], hf_mixed)
+    assert_same_tokens([results[f"r{i}"] for i in range(len(short_prompts))], hf_short)
 
 
 # Prefill chunks sized to an ITL target by a fixed clock (5 ms a step, 0.25 ms a token, 0.05 us
