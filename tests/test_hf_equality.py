@@ -20,6 +20,9 @@ PROMPT_LENGTHS = [1, 3, 7, 12, 25, 41, 64, 97, 150, 231, 333, 430]
 # (chunking, whole-prompt steps, preemption, prompt attention, chunks sized to the ITL target).
 SHORT_PROMPT_MAX_LEN = 231
 SHARED_PREFIX_LEN = 120       # 7.5 blocks of 16: the last shared block is a partial one
+# The prefix tests are about reading cached blocks: 12 tokens each (every one of them attends
+# over the prefix) halve transformers' one-prompt-at-a-time decode steps for their reference.
+SHARED_MAX_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +54,13 @@ def hf_short(hf_mixed, short_prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_shared(hf_model, shared_prefix_prompts) -> list[list[int]]:
-    return hf_greedy(hf_model, shared_prefix_prompts, MAX_NEW_TOKENS)
+    return hf_greedy(hf_model, shared_prefix_prompts, SHARED_MAX_NEW_TOKENS)
 
 
-def run_engine(config: EngineConfig, prompts: list[list[int]]) -> tuple[Engine, list[list[int]]]:
+def run_engine(config: EngineConfig, prompts: list[list[int]],
+               max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[Engine, list[list[int]]]:
     engine = Engine(config)
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
     engine.check_invariants()
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "blocks leaked after all requests finished"
@@ -138,12 +142,12 @@ def test_preemption_with_prefix_caching(spec: dict, model_dir: Path, mixed_promp
 @pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
 def test_shared_prefix_hits_cache(spec: dict, model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, **spec),
-                              shared_prefix_prompts)
+                              shared_prefix_prompts, SHARED_MAX_NEW_TOKENS)
     first_hits = engine.stats().prefix_cache_hit_tokens
     assert first_hits > 0, f"requests sharing a {SHARED_PREFIX_LEN}-token prefix got no prefix-cache hit"
     assert_same_tokens(ours, hf_shared)
     # A second round finds everything but each prompt's last block cached.
-    again = engine.generate(shared_prefix_prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    again = engine.generate(shared_prefix_prompts, SamplingParams(max_tokens=SHARED_MAX_NEW_TOKENS, temperature=0.0))
     assert_same_tokens([o.token_ids for o in again], hf_shared)
     assert all(o.num_cached_tokens >= SHARED_PREFIX_LEN // 16 * 16 for o in again)
     assert engine.stats().prefix_cache_hit_tokens > first_hits
@@ -154,7 +158,7 @@ def test_shared_prefix_hits_cache(spec: dict, model_dir: Path, shared_prefix_pro
 def test_shared_prefix_chunked_and_small_blocks(model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=1024,
                                            max_num_batched_tokens=40, max_num_seqs=6, **FIXED_BUDGET),
-                              shared_prefix_prompts)
+                              shared_prefix_prompts, SHARED_MAX_NEW_TOKENS)
     assert engine.stats().prefix_cache_hit_tokens > 0
     assert_same_tokens(ours, hf_shared)
 
@@ -227,7 +231,7 @@ def test_itl_target_chunking_matches_transformers(name: str, model_dir: Path, mi
 def test_itl_target_with_shared_prefix(model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
     engine = Engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, **ITL),
                     cost_model=StepCostModel(ITL_CLOCK, learn=False))
-    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    params = SamplingParams(max_tokens=SHARED_MAX_NEW_TOKENS, temperature=0.0)
     assert_same_tokens([o.token_ids for o in engine.generate(shared_prefix_prompts, params)], hf_shared)
     assert engine.stats().prefix_cache_hit_tokens > 0
     again = engine.generate(shared_prefix_prompts, params)
