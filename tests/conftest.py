@@ -43,20 +43,20 @@ if "LLM_TEST_REFERENCES" not in os.environ:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The modules that take longest on one core of the 2-core AVX2 EPYC (Zen 3), longest first
-# (seconds in `make test`'s no-server phase). `make test` hands xdist the modules in collection
+# (worker-seconds in `make test`'s no-server phase, 2026-11-27). `make test` hands xdist the modules in collection
 # order (--no-loadscope-reorder), and this order puts these first: xdist's own order (by number
 # of tests) left one-test modules of a minute or more (the compile check, bf16 agreement) to the
 # end of one worker while the other had finished. The rest follow in their usual order.
 LONGEST_MODULES_FIRST = (
-    "test_hf_equality.py",          # ~290
-    "test_triton_engine.py",        # ~135
-    "test_benchmark_scripts.py",    # ~130
-    "test_lora.py",                 # ~120
-    "test_bf16_agreement.py",       # ~90
-    "test_kernels_compile.py",      # ~70
-    "test_structured_outputs.py",   # ~65
-    "test_speculative.py",          # ~60
-    "test_kernels.py",              # ~55
+    "test_hf_equality.py",          # ~230
+    "test_benchmark_scripts.py",    # ~150
+    "test_lora.py",                 # ~105
+    "test_kernels_compile.py",      # ~85
+    "test_bf16_agreement.py",       # ~70
+    "test_triton_engine.py",        # ~65
+    "test_kernels.py",              # ~60
+    "test_speculative.py",          # ~35
+    "test_structured_outputs.py",   # ~35
 )
 
 
