@@ -69,7 +69,7 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaf
 SERVER_TEST_FILES = $(shell grep -l "pytest.mark.server" tests/test_*.py)
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (an empty value unsets it):
 # pytest then caches its assert-rewritten test modules (~4 s less collection per pytest
-# process) and the ~40 servers and scripts the tests start read this repository's modules
+# process) and the servers and scripts the tests start read this repository's modules
 # compiled (~0.4 s each); the caches are git-ignored.
 test: export PYTHONDONTWRITEBYTECODE =
 test: setup model setup-cluster
