@@ -48,8 +48,8 @@ def hf_mixed(hf_model, mixed_prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_short(hf_mixed, short_prompts) -> list[list[int]]:
-    return hf_mixed[:len(short_prompts)]       # PROMPT_LENGTHS ascend
+def hf_short(hf_mixed, mixed_prompts) -> list[list[int]]:
+    return [reference for prompt, reference in zip(mixed_prompts, hf_mixed) if len(prompt) <= SHORT_PROMPT_MAX_LEN]
 
 
 @pytest.fixture(scope="module")
