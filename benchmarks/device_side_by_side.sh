@@ -9,6 +9,13 @@
 #   run(command="STAGES='tests attention prewarm' benchmarks/device_side_by_side.sh run", carry=[".pk2", ".devmodel", ".whl", ".peerlibs"])
 #   run(command="STAGES=serve benchmarks/device_side_by_side.sh run", carry=[".devmodel", ".peerlibs"])  # within 30 s
 #
+# That takes ~20 minutes of device time. A session lent 15 minutes (the machine's start counts)
+# runs only what settles issue 20, in two calls (the second carries 59 of the 64 MiB; ~530 s):
+#
+#   run(command="benchmarks/device_side_by_side.sh stash", carry=[".pk1"])
+#   run(command="STAGES=serve RUNS='vllm-bfloat16+preload ours vllm-bfloat16' benchmarks/device_side_by_side.sh run",
+#       carry=[".pk2", ".devmodel", ".whl", ".peerlibs"], timeout_s=595)
+#
 # (a stash call per piece but the last). .devmodel/ holds the model folder's config.json and
 # tokenizer, no weights: both servers load random ones (--load-format dummy; the checkpoint does
 # not fit a call). Carry it (and .peerlibs/) in every call that serves: a call's ignored paths did
@@ -139,7 +146,8 @@ stop() {  # process $1 (Ctrl-C: our launcher drains and stops its server), then 
     log "port $2 still answers"; }
 bench() { timeout 200 taskset -c $PIN $OURS -m benchmarks.serving --server "$1" --workloads A,B --json "$WORK/$2.json" \
               > "$WORK/$2.txt" 2>&1
-          log "$2 rc=$?"; grep -E "^\| (ours|vllm)|failure" "$WORK/$2.txt" | tee -a "$SUMMARY"; }
+          log "$2 rc=$?"; grep -E "^\| (ours|vllm)|failure" "$WORK/$2.txt" | tee -a "$SUMMARY"
+          tar -czf "$OUT/results.tar.gz" -C "$WORK" .; }   # after every run: a call cut off keeps what ran
 RUNS=${RUNS:-vllm-bfloat16+preload ours vllm-bfloat16 vllm-float32+preload ours+cpu_prefill_attention=native}   # most wanted first
 # vLLM's CPU docs ask to LD_PRELOAD tcmalloc and Intel's OpenMP runtime for its best speed; the
 # image has neither, benchmarks/device_pack.sh puts both in .peerlibs/ (carry it).
