@@ -132,7 +132,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="llama-1b,llama-8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     parser.add_argument("--eager", action="store_true", help="only eager steps (no CUDA graphs)")
+    parser.add_argument("--graphs-only", action="store_true", help="only CUDA-graph steps (no eager)")
     parser.add_argument("--no-fused-ops", action="store_true", help="torch ops instead of the fused layer ops")
     parser.add_argument("--json", type=Path, help="where to write the results (default benchmarks/results/)")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, two batch sizes, CPU allowed")
@@ -142,13 +144,13 @@ def main() -> None:
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke")
     shapes = args.shapes.split(",") if not args.smoke else ["tiny"]
-    batches = BATCHES if not args.smoke else [1, 4]
+    batches = [int(b) for b in args.batches.split(",")] if not args.smoke else [1, 4]
     context = args.context if not args.smoke else 64
     iters = args.iters if not args.smoke else 2
     bandwidth = copy_bandwidth_gbps(device, (1 << 30) if not args.smoke else (1 << 22))
     print(f"device: {device_name(device)}; measured copy bandwidth {bandwidth:.0f} GB/s")
 
-    modes = [True] if args.eager or device.type != "cuda" else [False, True]
+    modes = [True] if args.eager or device.type != "cuda" else [False] if args.graphs_only else [False, True]
     results = []
     for name in shapes:
         for eager in modes:

@@ -17,6 +17,10 @@ APIs: ``triton`` (Triton's HTTP generate_stream, model ``--model``), ``llamacpp`
 Workloads (token-id prompts from ``random.Random(seed)``, ids uniform in ``--id-range``):
   A: every prompt 64 tokens, every output 128 tokens.
   B: "mixed, seed 0": per request prompt length from {16, 64, 256, 512}, output from {16, 64, 256}.
+  M: the seeds' mixed traffic, where static batching loses: prompt and output lengths lognormal
+     (``MIXED_PROMPT``, ``MIXED_OUTPUT``; medians 300 and 80 tokens, sigma 1.3, clipped to the
+     seeds' ranges of ~10-8192 prompt and 5-2048 output tokens). A batch of 32 then holds ~850
+     tokens a request on average and ~5,000 in its longest (the seeds' example: 800 and 8,000).
 The request list is built once per workload and is identical for every server; request i always
 carries the same prompt. Closed loop: ``--concurrency`` workers, each sending its next request
 as soon as its previous one ends. Two short unmeasured warm-up requests precede each run.
@@ -41,6 +45,7 @@ import contextlib
 import datetime
 import http.client
 import json
+import math
 import os
 import random
 import sys
@@ -51,6 +56,22 @@ from typing import Any, Callable, Iterable, Iterator
 
 APIS = ("triton", "llamacpp", "openai")
 PROMPT_LENS_B, OUTPUT_LENS_B = (16, 64, 256, 512), (16, 64, 256)
+
+
+@dataclass(frozen=True)
+class Lognormal:
+    """Token counts drawn lognormal around ``median`` and clipped to [low, high]."""
+    median: float
+    sigma: float
+    low: int
+    high: int
+
+    def draw(self, rng: random.Random) -> int:
+        return int(min(self.high, max(self.low, rng.lognormvariate(math.log(self.median), self.sigma))))
+
+
+MIXED_PROMPT = Lognormal(median=300, sigma=1.3, low=10, high=8192)
+MIXED_OUTPUT = Lognormal(median=80, sigma=1.3, low=5, high=2048)
 
 
 @dataclass(frozen=True)
@@ -117,6 +138,7 @@ class Summary:
     errors: list[str] = field(default_factory=list)    # the first few distinct failure reasons
     # One row per request, in workload order: where a percentile's time went (written to --json only).
     requests: list[dict[str, Any]] = field(default_factory=list)
+    saturated_tok_s: float = float("nan")   # while every worker was busy (saturated_tok_s())
 
 
 class StreamError(Exception):
@@ -133,8 +155,10 @@ def make_workload(name: str, num_requests: int = 64, seed: int = 0,
             prompt_len, output_len = 64, 128
         elif name == "B":
             prompt_len, output_len = rng.choice(PROMPT_LENS_B), rng.choice(OUTPUT_LENS_B)
+        elif name == "M":
+            prompt_len, output_len = MIXED_PROMPT.draw(rng), MIXED_OUTPUT.draw(rng)
         else:
-            raise ValueError(f"unknown workload {name!r} (A or B)")
+            raise ValueError(f"unknown workload {name!r} (A, B or M)")
         requests.append(Request([rng.randrange(*id_range) for _ in range(prompt_len)], output_len))
     return Workload(name, requests)
 
@@ -322,7 +346,21 @@ def summarize(server: Server, workload: str, results: list[Result], cpu_busy: fl
     errors = list(dict.fromkeys(r.error for r in results if not r.ok))[:5]
     return Summary(server.name, server.api, workload, len(ok), len(results) - len(ok), tokens, wall,
                    tokens / wall if wall > 0 else 0.0, ms(ttfts, 50), ms(ttfts, 99), ms(itls, 50),
-                   ms(itls, 99), ms(tpots, 50), ms(tpots, 99), ms(e2es, 50), cpu_busy, errors)
+                   ms(itls, 99), ms(tpots, 50), ms(tpots, 99), ms(e2es, 50), cpu_busy, errors,
+                   saturated_tok_s=saturated_tok_s(ok, results))
+
+
+def saturated_tok_s(ok: list[Result], results: list[Result]) -> float:
+    """Output tokens/s while every worker had a request in flight: the tokens streamed from the
+    first send to the last one (after it the queue is empty and the run drains: the longest
+    requests finish alone, which a finite closed-loop run pays once whatever the batching).
+    NaN when the last request was sent with the first ones."""
+    if not results:
+        return float("nan")
+    first, last = min(r.sent for r in results), max(r.sent for r in results)
+    if last - first <= 0:
+        return float("nan")
+    return sum(n for r in ok for t, n in r.events if t <= last) / (last - first)
 
 
 # ----------------------------------------------------------------------------- driver

@@ -144,10 +144,10 @@ def test_a_shared_prefix_is_cached_once_per_adapter_and_never_crosses(lora_model
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_with_adapters(tmp_path_factory, model_dir: Path, prose_ids: list[int]):
+def tiny_llama_with_adapters(tmp_path_factory, tokenizer_dir: Path, prose_ids: list[int]):
     """A tiny random Llama with two adapters, four mixed requests and peft's tokens for them."""
     base = tmp_path_factory.mktemp("tiny-llama")
-    hf_model = make_tiny_model("llama", base, model_dir)
+    hf_model = make_tiny_model("llama", base, tokenizer_dir)
     folder = model_with_adapters(base, tmp_path_factory.mktemp("with-adapters"),
                                  {"tiny-a": (8, 16, MODULES, 4), "tiny-b": (4, 4, ("q_proj", "down_proj"), 5)})
     requests = [("tiny-a", prose_ids[:40]), (None, prose_ids[5:30]), ("tiny-b", prose_ids[50:110]),

@@ -23,10 +23,10 @@ SMALL = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, num_kv_
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory, model_dir: Path) -> str:
+def tiny_qwen2(tmp_path_factory, tokenizer_dir: Path) -> str:
     """A 3-layer random model: its calibration takes well under a second."""
     folder = tmp_path_factory.mktemp("tiny-qwen2")
-    make_tiny_model("qwen2", folder, model_dir)
+    make_tiny_model("qwen2", folder, tokenizer_dir)
     return str(folder)
 
 

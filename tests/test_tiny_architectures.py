@@ -52,8 +52,8 @@ def make_tiny_model(kind: str, folder: Path, tokenizer_dir: Path):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_tiny_model_matches_transformers(kind: str, tmp_path: Path, model_dir: Path, prose_ids: list[int]) -> None:
-    hf_model = make_tiny_model(kind, tmp_path, model_dir)
+def test_tiny_model_matches_transformers(kind: str, tmp_path: Path, tokenizer_dir: Path, prose_ids: list[int]) -> None:
+    hf_model = make_tiny_model(kind, tmp_path, tokenizer_dir)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == kind
     if kind == "qwen2":

@@ -21,9 +21,9 @@ from tests.test_tiny_architectures import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, model_dir: Path):
+def tiny_llama(tmp_path_factory, tokenizer_dir: Path):
     folder = tmp_path_factory.mktemp("tiny-llama")
-    hf_model = make_tiny_model("llama", folder, model_dir)
+    hf_model = make_tiny_model("llama", folder, tokenizer_dir)
     return folder, hf_model
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -160,6 +161,11 @@ class ModelRunner:
 
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.startup_notes.append(
+            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
+            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, "
+            f"{'num_kv_blocks' if config.num_kv_blocks else self._kv_budget_source})")
+        logger.info("%s", self.startup_notes[-1])
 
         # Test hook: called with the requests of every batch about to be packed; raising in
         # it simulates a step that fails (tests/test_step_failures.py).
@@ -169,8 +175,17 @@ class ModelRunner:
         # The reference attention syncs with the host (it loops over sequences), which a
         # CUDA graph cannot capture: graphs go with the Triton kernels only.
         if on_cuda and not config.enforce_eager and self.attention_backend == "triton":
+            start = time.perf_counter()
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, capture_sizes(self.max_seqs),
                                               self.max_model_len, capture=True, lora=self.lora_slots)
+            self.startup_notes.append(f"decode steps replay CUDA graphs captured for batch sizes "
+                                      f"{capture_sizes(self.max_seqs)} in {time.perf_counter() - start:.1f} s")
+        elif on_cuda:
+            self.startup_notes.append("decode steps run eagerly ("
+                                      + ("enforce_eager=true" if config.enforce_eager else
+                                         f"attention backend {self.attention_backend}: no graphs") + ")")
+        if on_cuda:
+            logger.info("%s", self.startup_notes[-1])
 
     def _cpu_decoder_note(self) -> str:
         """The start-up log's word on the C layer loop: whether it runs, and which projections
@@ -232,11 +247,13 @@ class ModelRunner:
 
     def _blocks_from_budget(self) -> int:
         budget = self.config.kv_cache_memory_bytes
+        self._kv_budget_source = "kv_cache_memory_bytes"
         if budget is None:
             if self.device.type == "cuda":
                 budget = self._cuda_kv_budget()
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
+                self._kv_budget_source = "the CPU default budget"
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
@@ -250,8 +267,9 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         activation_peak = self._profile_activation_peak()
         budget = int(free * self.config.gpu_memory_utilization) - activation_peak
-        logger.info("KV budget: %.2f GiB (free after weights %.2f GiB x %.2f, activation peak %.2f GiB)",
-                    budget / 2**30, free / 2**30, self.config.gpu_memory_utilization, activation_peak / 2**30)
+        self._kv_budget_source = (f"free after weights {free / 2**30:.2f} GiB x gpu_memory_utilization "
+                                  f"{self.config.gpu_memory_utilization:.2f}, less an activation peak of "
+                                  f"{activation_peak / 2**30:.2f} GiB")
         return budget
 
     @torch.inference_mode()
