@@ -30,9 +30,12 @@ one quick test file, so the script that reaches the device has run end to end
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -229,9 +232,11 @@ def served_runs(plan: Plan) -> list[tuple[str, str, int]]:
     return runs
 
 
-def serve_stage(shape: str, plan: Plan, work: Path, record: Record, deadline: float) -> None:
+def serve_stage(shape: str, plan: Plan, work: Path, record: Record, deadline: float,
+                spy_runs: dict[tuple[str, int], bool] | None = None, spy_seconds: float = 10.0) -> None:
     from server.launch import TritonServer, free_ports
 
+    spy_runs = spy_runs or {}
     folder = dummy_model_folder(shape, work)
     stage: dict[str, Any] = record.data.setdefault("served", {}).setdefault(shape, {"servers": [], "runs": []})
     runs = served_runs(plan)
@@ -267,8 +272,13 @@ def serve_stage(shape: str, plan: Plan, work: Path, record: Record, deadline: fl
                     continue
                 workload = make_workload(name, plan.requests_per_stream[name] * concurrency, seed=0)
                 target = Server(f"ours-{shape}-{batching}", "triton", "127.0.0.1", server.http_port, "llm")
-                with GpuSampler() as gpu:
+                spy = StubProfile(server, work / f"spy-{shape}-{batching}-{name}{concurrency}.txt", spy_seconds,
+                                  gil_only=spy_runs[(name, concurrency)]) \
+                    if (name, concurrency) in spy_runs else contextlib.nullcontext()
+                with GpuSampler() as gpu, spy:
                     summary = run_workload(target, workload, concurrency, plan.request_timeout_s)
+                if isinstance(spy, StubProfile):
+                    entry["stub_profile"] = spy.summary()
                 summary.requests = []     # the per-request rows stay out of this file
                 entry.update(num_requests=len(workload.requests), summary=no_nan(asdict(summary)), gpu=gpu.summary())
                 if name == "M":
@@ -321,11 +331,68 @@ def tail(log: Path, lines: int = 40) -> list[str]:
         return []
 
 
+class StubProfile:
+    """py-spy sampling the model stub (engine loop, sender, metrics, poller threads) for the
+    first ``seconds`` of a run: where the host's time goes when the GPU waits on it."""
+
+    def __init__(self, server: Any, out: Path, seconds: float, gil_only: bool = False) -> None:
+        self.server, self.out, self.seconds, self.gil_only = server, out, seconds, gil_only
+        self.process: subprocess.Popen | None = None
+        self.error = ""
+
+    def __enter__(self) -> "StubProfile":
+        spy = shutil.which("py-spy")
+        pids = subprocess.run(["pgrep", "-f", "triton_python_backend_stub"], capture_output=True, text=True).stdout.split()
+        if spy is None or not pids:
+            self.error = "no py-spy" if spy is None else "no stub process"
+            return self
+        self.process = subprocess.Popen([spy, "record", "-p", pids[0], "-d", f"{self.seconds:g}", "-r", "200", "-f", "raw",
+                                         "--threads", "--nonblocking", "-o", str(self.out),
+                                         *(["--gil"] if self.gil_only else [])],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            try:
+                _, err = self.process.communicate(timeout=self.seconds + 30)
+                self.error = err.strip()[-300:] if self.process.returncode else ""
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.error = "py-spy did not finish"
+
+    def summary(self, top: int = 40) -> dict[str, Any]:
+        """Active samples per thread, and the frames holding the most of them (inclusive and
+        where the sample was taken)."""
+        if not self.out.is_file():
+            return {"error": self.error or "no profile written"}
+        threads: dict[str, int] = {}
+        inclusive: dict[str, int] = {}
+        leaf: dict[str, int] = {}
+        for line in self.out.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            frames, n = stack.split(";"), int(count)
+            thread = re.sub(r"^thread \(\d+\): ", "", frames[0])
+            threads[thread] = threads.get(thread, 0) + n
+            for frame in dict.fromkeys(f"{thread}: {f}" for f in frames[1:]):
+                inclusive[frame] = inclusive.get(frame, 0) + n
+            leaf[f"{thread}: {frames[-1]}"] = leaf.get(f"{thread}: {frames[-1]}", 0) + n
+        best = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1])[:top])  # noqa: E731
+        return {"seconds": self.seconds, "rate_hz": 200, "gil_only": self.gil_only, "threads": threads, "inclusive": best(inclusive),
+                "leaf": best(leaf), "error": self.error}
+
+
 # ----------------------------------------------------------------------------- tests
 def tests_stage(plan: Plan, work: Path, record: Record, deadline: float) -> None:
     junit = work / "junit.xml"
     env = dict(os.environ, LLM_TESTS_WITHOUT_CHECKPOINT="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+    # gpu_proof.sh: the tests on the image's python and numpy, the server on the pack's numpy.
+    python = os.environ.get("GPU_PROOF_TEST_PYTHON") or sys.executable
+    if os.environ.get("GPU_PROOF_TEST_PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["GPU_PROOF_TEST_PYTHONPATH"]
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
            *plan.test_args, *plan.test_files]
     started = time.monotonic()
     try:
@@ -402,6 +469,12 @@ def profile_stage(plan: Plan, work: Path, record: Record, deadline: float) -> No
 
 
 # ----------------------------------------------------------------------------- main
+def parse_load(text: str) -> tuple[str, int]:
+    """WORKLOAD:CONCURRENCY"""
+    workload, _, concurrency = text.partition(":")
+    return workload, int(concurrency)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON")
@@ -413,8 +486,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="start nothing new after this many seconds (what has begun finishes)")
     parser.add_argument("--json-name", default="gpu_proof.json")
+    parser.add_argument("--loads", help="override the plan's continuous loads: WORKLOAD:CONCURRENCY,...")
+    parser.add_argument("--mixed-concurrency", help="override the plan's workload-M concurrencies: N,... ('' none)")
+    parser.add_argument("--requests-per-stream", help="override per workload: WORKLOAD=N,...")
+    parser.add_argument("--spy", help="WORKLOAD:CONCURRENCY[:gil],...: py-spy samples the model stub's active "
+                        "threads (or only the one holding the GIL) during those runs")
+    parser.add_argument("--spy-seconds", type=float, default=10.0)
     args = parser.parse_args(argv)
     plan = PLANS[args.plan]
+    if args.loads is not None:
+        plan = dataclasses.replace(plan, loads=tuple(parse_load(x) for x in args.loads.split(",") if x))
+    if args.mixed_concurrency is not None:
+        plan = dataclasses.replace(plan, mixed_concurrency=tuple(int(x) for x in args.mixed_concurrency.split(",") if x))
+    if args.requests_per_stream:
+        per_stream = dict(plan.requests_per_stream)
+        per_stream.update({k: int(v) for k, v in (x.split("=") for x in args.requests_per_stream.split(","))})
+        plan = dataclasses.replace(plan, requests_per_stream=per_stream)
+    spy_runs = {parse_load(":".join(x.split(":")[:2])): x.endswith(":gil") for x in (args.spy or "").split(",") if x}
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
@@ -422,14 +510,13 @@ def main(argv: list[str] | None = None) -> int:
     record = Record(args.out / args.json_name)
     if record.path.is_file():       # a later call adds to the same file
         record.data = json.loads(record.path.read_text())
-    record.data.setdefault("calls", []).append({"stages": args.stages, **environment(args.plan)})
-    record.data["plan"] = {k: v for k, v in asdict(plan).items()}
+    record.data.setdefault("calls", []).append({"stages": args.stages, **environment(args.plan), "plan": asdict(plan)})
     record.save()
     for stage in args.stages.split(","):
         name, _, shape = stage.partition(":")
         try:
             if name == "serve":
-                serve_stage(shape, plan, work, record, deadline)
+                serve_stage(shape, plan, work, record, deadline, spy_runs, args.spy_seconds)
             elif name == "tests":
                 tests_stage(plan, work, record, deadline)
             elif name == "roofline":

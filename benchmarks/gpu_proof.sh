@@ -31,8 +31,11 @@ if [ ! -x /tmp/gpu-venv/bin/python ]; then
     IMAGE_SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
     python3 -m venv --without-pip /tmp/gpu-venv
     SITE=$(/tmp/gpu-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
-    printf "/tmp/gpupack/osite\nimport site; site.addsitedir('%s')\n" "$IMAGE_SITE" > "$SITE/zz_gpu_pack.pth"
+    printf "/tmp/gpupack/numpy1\n/tmp/gpupack/osite\nimport site; site.addsitedir('%s')\n" "$IMAGE_SITE" \
+        > "$SITE/zz_gpu_pack.pth"
 fi
+# The tests run on the image's own python (its numpy 2.x) with the pack's packages but numpy 1.26.
+export GPU_PROOF_TEST_PYTHON=python3 GPU_PROOF_TEST_PYTHONPATH=/tmp/gpupack/osite PATH="$PATH:/tmp/gpupack/bin"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader 2>&1 | head -2
 /tmp/gpu-venv/bin/python -m benchmarks.gpu_proof --out "$OUT" --work "$WORK" "$@"
 status=$?
