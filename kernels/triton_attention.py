@@ -101,7 +101,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 # ---- attention -------------------------------------------------------------------------------
-@triton.jit
+# The batch's counts change every step: left unspecialised (Triton would otherwise compile a
+# variant per "== 1" / "divisible by 16" combination as they first occur, mid-serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -216,7 +218,7 @@ def _paged_attention_kernel(
         tl.store(partial_sum_ptr + stat, row_sum, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, num_tokens,
     stride_o_token, stride_o_head,

@@ -58,7 +58,8 @@ def _rows_per_program(rows: int) -> int:
     return min(triton.next_power_of_2(rows), 256) if _INTERPRETED else 1
 
 
-@triton.jit
+# The step's row / token counts are left unspecialised: see kernels/triton_attention.py.
+@triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(residual_ptr, delta_ptr, weight_ptr, out_ptr, num_rows, hidden, eps,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BF16_BY_BITS: tl.constexpr):
@@ -104,7 +105,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
         add_rms_norm_launch(residual, delta, weight, out, eps)()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, key_cache_ptr, value_cache_ptr, num_tokens,
                            stride_qkv, stride_cache_block, stride_cache_offset, stride_cache_head,
                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -192,7 +193,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot
         rope_and_cache_launch(qkv, cos, sin, slots, key_cache, value_cache, num_heads, num_kv_heads, head_dim)()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_kernel(x_ptr, num_rows, inter, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
                          BF16_BY_BITS: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]

@@ -309,9 +309,13 @@ def test_engine_with_measure_serves_with_the_path_it_chose(model_dir: Path, pros
     assert chosen in ("native", "onednn")
     layer_type = {"native": NativeLinear, "onednn": PackedLinear}[chosen]
     assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, layer_type)
-    assert f"linear layers {chosen} (cpu_linear=measure: native " in caplog.text
+    # Whichever of the timed paths won on this machine (oneDNN packed for the decode batch wins
+    # on some CPUs), the log names that one, then every timing it chose from.
+    hint = engine.runner.onednn_batch_hint
+    assert hint is None or chosen == "onednn"
+    packed = f" packed for {hint} rows" if hint is not None else ""
+    assert f"linear layers {chosen}{packed} (cpu_linear=measure: native " in caplog.text
     assert "; onednn " in caplog.text and f"; {HINTED_ONEDNN} " in caplog.text and " ms at 16 rows" in caplog.text
-    assert (engine.runner.onednn_batch_hint is not None) == (f"linear layers onednn packed for 16 rows" in caplog.text)
     # Greedy tokens do not depend on which of the two it chose: test_cpu_linear.py's
     # test_engine_tokens_do_not_depend_on_the_linear_path. Here: it serves.
     (output,) = engine.generate([prose_ids[:40]], SamplingParams(max_tokens=4, temperature=0.0))
