@@ -258,7 +258,14 @@ def compare_throughput(engine: Engine, prompts: list[str], schema: dict[str, Any
                         for length in constrained["lengths"]]
         runs["with_schema"].append(constrained)
         runs["without"].append(run_batch(engine, prompts, plain_params))
-    valid = sum(_is_json(text) for r in runs["with_schema"] for text in r["texts"])
+    sampled = [(text, reason) for r in runs["with_schema"] for text, reason in zip(r["texts"], r["finish_reasons"])]
+    valid = sum(_is_json(text) for text, _ in sampled)
+    # Why an output does not parse: cut at max_tokens inside the document, or (a bug) ended by
+    # the grammar's EOS and still not JSON.
+    not_parsing: dict[str, int] = {}
+    for text, reason in sampled:
+        if not _is_json(text):
+            not_parsing[reason] = not_parsing.get(reason, 0) + 1
     summary: dict[str, Any] = {}
     for mode, results in runs.items():
         steps = statistics.median(r["steps"] for r in results)
@@ -270,12 +277,14 @@ def compare_throughput(engine: Engine, prompts: list[str], schema: dict[str, Any
     ratio = summary["with_schema"]["tok_s_median"] / summary["without"]["tok_s_median"]
     print(f"  {n} concurrent requests: with the schema {summary['with_schema']['tok_s_median']:.1f} tok/s, without "
           f"{summary['without']['tok_s_median']:.1f} tok/s ({(ratio - 1) * 100:+.1f}%); "
-          f"{valid}/{n * args.rounds} outputs parse as JSON", flush=True)
+          f"{valid}/{n * args.rounds} outputs parse as JSON (the others, by finish reason: {not_parsing})", flush=True)
     for mode, s in summary.items():
         print(f"    {mode:11s} per step: forward {s['forward_ms_per_step']:.2f} ms, sampling "
               f"{s['sample_ms_per_step']:.2f} ms (fill {s['fill_ms_per_step']:.2f} ms, apply "
               f"{s['apply_ms_per_step']:.2f} ms)", flush=True)
-    return {"throughput": summary, "with_over_without": ratio, "valid_json": valid, "outputs": n * args.rounds}
+    return {"throughput": summary, "with_over_without": ratio, "valid_json": valid, "outputs": n * args.rounds,
+            "not_parsing_by_finish_reason": not_parsing,
+            "finish_reasons": {reason: sum(1 for _, r in sampled if r == reason) for reason in {r for _, r in sampled}}}
 
 
 def _is_json(text: str) -> bool:
