@@ -6,7 +6,7 @@ lengths are heavy-tailed and pinned with ignore_eos + max_tokens, exactly as in 
 argument: static batching waits for the longest request of each batch, continuous batching
 refills a slot the step after it frees.
 
-    python benchmarks/offline_throughput.py --concurrency 32 --requests 128
+    python -m benchmarks.offline_throughput --concurrency 32 --requests 128 [--json PATH]
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.model.cpu_features import detect
+from benchmarks.serving import cpu_info
 
 
 def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -88,13 +91,23 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="continuous,static")
+    parser.add_argument("--json", type=Path, help="also write the settings, the CPU and the results here")
     args = parser.parse_args()
     results = [run(mode, args) for mode in args.modes.split(",")]
     for r in results:
         print(json.dumps(r))
+    ratio = None
     if len(results) == 2:
-        print(f"continuous/static output-token throughput: "
-              f"{results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+        ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
+        print(f"continuous/static output-token throughput: {ratio:.2f}x")
+    if args.json:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        payload = {"command": "python -m benchmarks.offline_throughput", "settings": settings, **cpu_info(),
+                   "cpu_flags": sorted(f for f in detect().flags if f.startswith(("avx", "amx", "fma"))),
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results,
+                   "continuous_over_static": ratio}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
