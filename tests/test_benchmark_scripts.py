@@ -98,7 +98,15 @@ def test_structured_outputs_benchmark_runs(tmp_path: Path) -> None:
                            "--max-tokens", "16", "--json", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(out.read_text())
+    for result in json.loads(out.read_text())["results"].values():
+        if "not_parsing_by_finish_reason" not in result:
+            continue
+        # Every output that is not JSON is accounted for by its finish reason, and none of
+        # them ended by the grammar's EOS (an output the grammar ends is a whole document).
+        not_parsing = result["not_parsing_by_finish_reason"]
+        assert sum(not_parsing.values()) == result["outputs"] - result["valid_json"]
+        assert "stop" not in not_parsing, not_parsing
+        assert sum(result["finish_reasons"].values()) == result["outputs"]
 
 
 def test_decode_breakdown_benchmark_runs(tmp_path: Path) -> None:
