@@ -233,17 +233,18 @@ def served_runs(plan: Plan) -> list[tuple[str, str, int]]:
 
 
 def serve_stage(shape: str, plan: Plan, work: Path, record: Record, deadline: float,
-                spy_runs: dict[tuple[str, int], bool] | None = None, spy_seconds: float = 10.0) -> None:
+                spy_runs: dict[tuple[str, int], bool] | None = None, spy_seconds: float = 10.0,
+                label: str = "") -> None:
     from server.launch import TritonServer, free_ports
 
     spy_runs = spy_runs or {}
     folder = dummy_model_folder(shape, work)
-    stage: dict[str, Any] = record.data.setdefault("served", {}).setdefault(shape, {"servers": [], "runs": []})
+    stage: dict[str, Any] = record.data.setdefault("served", {}).setdefault(shape + label, {"servers": [], "runs": []})
     runs = served_runs(plan)
     for batching in dict.fromkeys(b for b, _, _ in runs):
         params = {"model": str(folder), "load_format": "dummy", "device": plan.device, "dtype": plan.dtype,
                   "batching": batching, **plan.engine}
-        log = work / f"server-{shape}-{batching}.log"
+        log = work / f"server-{shape}{label}-{batching}.log"
         server_entry: dict[str, Any] = {"batching": batching, "params": params, "log": log.name}
         stage["servers"].append(server_entry)
         if time.monotonic() > deadline:
@@ -492,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spy", help="WORKLOAD:CONCURRENCY[:gil],...: py-spy samples the model stub's active "
                         "threads (or only the one holding the GIL) during those runs")
     parser.add_argument("--spy-seconds", type=float, default=10.0)
+    parser.add_argument("--engine", default="", help="KEY=VALUE,...: engine parameters added to the plan's "
+                        "(e.g. cuda_graph_mixed_steps=true)")
+    parser.add_argument("--label", default="", help="suffix of this call's served entries (two configurations "
+                        "of one shape in one JSON)")
     args = parser.parse_args(argv)
     plan = PLANS[args.plan]
     if args.loads is not None:
@@ -502,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         per_stream = dict(plan.requests_per_stream)
         per_stream.update({k: int(v) for k, v in (x.split("=") for x in args.requests_per_stream.split(","))})
         plan = dataclasses.replace(plan, requests_per_stream=per_stream)
+    if args.engine:
+        plan = dataclasses.replace(plan, engine={**plan.engine, **dict(x.split("=", 1) for x in args.engine.split(","))})
     spy_runs = {parse_load(":".join(x.split(":")[:2])): x.endswith(":gil") for x in (args.spy or "").split(",") if x}
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
@@ -516,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, shape = stage.partition(":")
         try:
             if name == "serve":
-                serve_stage(shape, plan, work, record, deadline, spy_runs, args.spy_seconds)
+                serve_stage(shape, plan, work, record, deadline, spy_runs, args.spy_seconds, args.label)
             elif name == "tests":
                 tests_stage(plan, work, record, deadline)
             elif name == "roofline":

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes, collector_paused
+from backend.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, collector_paused, mixed_token_sizes
 from tests.conftest import hf_greedy
 from tests.test_hf_equality import CONFIGS, assert_same_tokens, mixed_prompts, run_engine  # noqa: F401 (fixture)
 from tests.test_tiny_architectures import make_tiny_model
@@ -129,6 +129,51 @@ def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, referenc
     assert padded_steps > 0, "no decode step was padded"
     assert_same_tokens([o.token_ids for o in outputs], reference)
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padded_mixed_steps_match(backend: str, tiny_llama, prompts, reference) -> None:
+    """Steps with prefill chunks padded to the mixed-step graphs' token counts (an extra
+    sequence of dummy tokens with slot -1, empty sequences after it, every sequence row of
+    the buffers in the launch) change nothing: same tokens, no KV written by the padding."""
+    engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
+                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128, itl_target_ms=0.0,
+                                 dtype="float32", enforce_eager=True))
+    runner = engine.runner
+    assert runner.mixed_graphs is None
+    capture = runner.device.type == "cuda" and backend == "triton"
+    graphs = MixedGraphs(runner.model, runner.buffers, runner.kv_caches, mixed_token_sizes(runner.max_tokens),
+                         runner.max_logits_rows(), runner.max_model_len, capture=capture)
+    runner.mixed_graphs = graphs
+    padded_steps = 0
+    original_run = graphs.run
+
+    def counting_run(num_tokens: int, num_seqs: int, num_logits: int):
+        nonlocal padded_steps
+        padded_steps += num_tokens not in graphs.token_sizes
+        before = [key.clone() for key, _ in runner.kv_caches]
+        logits = original_run(num_tokens, num_seqs, num_logits)
+        # Only the step's own slots were written: the padding tokens wrote nothing.
+        written = set(runner.buffers.slot_mapping[:num_tokens].tolist()) - {-1}
+        for old, (key, _) in zip(before, runner.kv_caches):
+            differs = (old != key) & ~(old.isnan() & key.isnan())
+            assert set(differs.flatten(2).any(-1).flatten().nonzero().flatten().tolist()) <= written
+        return logits
+
+    graphs.run = counting_run
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=TRITON_NEW_TOKENS, temperature=0.0))
+    assert padded_steps > 0, "no step was padded"
+    assert_same_tokens([o.token_ids for o in outputs], reference)
+    engine.check_invariants()
+
+
+def test_mixed_token_sizes_pad_to_at_most_twice() -> None:
+    assert mixed_token_sizes(128) == [16, 32, 64, 128]
+    assert mixed_token_sizes(2048)[-2:] == [1024, 2048]
+    assert mixed_token_sizes(100) == [16, 32, 64, 100]
+    for tokens in range(16, 2049):
+        size = next(s for s in mixed_token_sizes(2048) if s >= tokens)
+        assert size < 2 * tokens
 
 
 def test_separate_device_buffers_copy_only_what_is_read(tiny_llama, prompts, reference) -> None:

@@ -1,10 +1,19 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps, and (``cuda_graph_mixed_steps``) for the others.
 
 A decode step launches hundreds of small kernels (a few per layer) whose launch cost, not
 the GPU, bounds small batches. Capturing the whole forward once per batch size and
 replaying it removes that cost. A step with ``n`` sequences replays the smallest captured
 size ``>= n``; the padding rows decode a dummy token that writes no KV (slot -1) and whose
-logits are dropped. Mixed and prefill steps run eagerly.
+logits are dropped.
+
+Served, most steps are mixed: in a closed loop a new prompt joins every few steps, and an
+eager mixed step costs several decode steps of host launches. ``MixedGraphs`` captures the
+forward once per token count (powers of two up to the token budget) for the whole sequence
+capacity: the Triton attention kernel finds each query's sequence on the device (binary
+search over ``query_start_loc``) and sizes its grid by tokens and sequences alone, so one
+launch shape serves any mix of prefill chunks, decodes and drafts. The padding tokens form
+one extra sequence that attends to block 0 and writes no KV; the sequences after it are
+empty.
 
 The graphs are handed what they need (the model, the step buffers they read in place, the
 KV tensors and the sizes) and never see the runner: a step only has to fill the buffers
@@ -139,3 +148,101 @@ class DecodeGraphs:
             return self._forward(batch_size)[:num_seqs]
         self.graphs[batch_size].replay()
         return self.outputs[batch_size][:num_seqs]
+
+
+def mixed_token_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from ``smallest`` below ``max_tokens``, then ``max_tokens``: a step pads
+    to at most twice its tokens."""
+    sizes, size = [], smallest
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_tokens]
+
+
+class MixedGraphs:
+    """Graphs for steps that are not decode-only (prefill chunks, drafts), one per token count.
+
+    Every graph holds ``num_seqs`` sequences (the step buffers' capacity) and ``max_logits``
+    logits rows; a step fits when it leaves one sequence row free for its padding tokens."""
+
+    def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches, token_sizes: list[int],
+                 max_logits: int, max_seq_len: int, capture: bool = True, lora: LoRASlots | None = None) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.kv_caches = kv_caches
+        self.lora = lora
+        self.max_seq_len = max_seq_len
+        self.token_sizes = sorted(token_sizes)
+        self.num_seqs = buffers.seq_lens.shape[0]
+        self.max_logits = max_logits
+        self.capture = capture
+        if self.token_sizes[-1] > buffers.input_ids.shape[0] or max_logits > buffers.logits_indices.shape[0]:
+            raise ValueError("mixed-step graphs exceed the step buffers")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _logits_rows(self, num_tokens: int) -> int:
+        return min(self.max_logits, num_tokens)
+
+    def covers(self, num_tokens: int, num_seqs: int, num_logits: int) -> bool:
+        return (num_tokens <= self.token_sizes[-1] and num_seqs < self.num_seqs
+                and num_logits <= self._logits_rows(self._size_for(num_tokens)))
+
+    def _size_for(self, num_tokens: int) -> int:
+        return next(s for s in self.token_sizes if s >= num_tokens)
+
+    def _meta(self, num_tokens: int) -> AttentionMetadata:
+        buf = self.buffers
+        # The launch shape baked into a graph must fit every later step: the longest query
+        # and sequence the step could hold; the kernels read the true ones from the buffers.
+        return AttentionMetadata(
+            positions=buf.positions[:num_tokens], slot_mapping=buf.slot_mapping[:num_tokens],
+            query_start_loc=buf.query_start_loc[:self.num_seqs + 1], seq_lens=buf.seq_lens,
+            block_tables=buf.block_tables, logits_indices=buf.logits_indices[:self._logits_rows(num_tokens)],
+            max_query_len=max(2, num_tokens), max_seq_len=self.max_seq_len,
+            lora=None if self.lora is None else LoRABatch(self.lora, buf.lora_slots[:num_tokens]))
+
+    def _pad(self, num_tokens: int, num_seqs: int, num_logits: int, size: int) -> None:
+        """Tokens num_tokens..size: one more sequence, at position 0 of block 0, writing no KV;
+        sequences after it empty; logits rows past the step's read row 0."""
+        buf = self.buffers
+        tokens = slice(num_tokens, size)
+        buf.input_ids[tokens] = 0
+        buf.positions[tokens] = 0
+        buf.slot_mapping[tokens] = -1
+        buf.lora_slots[tokens] = NO_SLOT
+        buf.query_start_loc[num_seqs + 1:] = size
+        buf.seq_lens[num_seqs:] = 1
+        buf.seq_lens[num_seqs] = max(1, size - num_tokens)
+        buf.block_tables[num_seqs:] = 0
+        buf.logits_indices[num_logits:self._logits_rows(size)] = 0
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.buffers.input_ids[:size], self._meta(size), self.kv_caches)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        with collector_paused():
+            for size in reversed(self.token_sizes):     # largest first: the others reuse its pool
+                self._pad(0, 0, 0, size)
+                self._forward(size)                     # warm-up outside capture (Triton compiles)
+                torch.cuda.synchronize(self.buffers.input_ids.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.outputs[size] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        torch.cuda.synchronize(self.buffers.input_ids.device)
+
+    def run(self, num_tokens: int, num_seqs: int, num_logits: int) -> torch.Tensor:
+        """Logits of the step already written into the step buffers."""
+        size = self._size_for(num_tokens)
+        self._pad(num_tokens, num_seqs, num_logits, size)
+        if not self.capture:
+            return self._forward(size)[:num_logits]
+        self.graphs[size].replay()
+        return self.outputs[size][:num_logits]

@@ -33,7 +33,7 @@ from backend.model.cpu_linear_tuning import choose_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
 from backend.model.prefill_attention_choice import choose_prefill_attention
-from backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_token_sizes
 from backend.worker import timing_cache
 from backend.worker.step_buffers import StepBuffers
 from kernels import cpu_native
@@ -186,6 +186,15 @@ class ModelRunner:
                                          f"attention backend {self.attention_backend}: no graphs") + ")")
         if on_cuda:
             logger.info("%s", self.startup_notes[-1])
+        self.mixed_graphs: MixedGraphs | None = None
+        if self.decode_graphs is not None and config.cuda_graph_mixed_steps:
+            start = time.perf_counter()
+            sizes = mixed_token_sizes(self.max_tokens)
+            self.mixed_graphs = MixedGraphs(self.model, self.buffers, self.kv_caches, sizes, self.max_logits_rows(),
+                                            self.max_model_len, capture=True, lora=self.lora_slots)
+            self.startup_notes.append(f"steps with prefill chunks or drafts replay CUDA graphs captured for token "
+                                      f"counts {sizes} in {time.perf_counter() - start:.1f} s")
+            logger.info("%s", self.startup_notes[-1])
 
     def _cpu_decoder_note(self) -> str:
         """The start-up log's word on the C layer loop: whether it runs, and which projections
@@ -224,6 +233,7 @@ class ModelRunner:
             "amx_tiles": self.device.type == "cpu" and cpu_native.amx_in_use(),
             "quantization": self.config.quantization,
             "decode_graphs": self.decode_graphs is not None,
+            "mixed_graphs": self.mixed_graphs is not None,
             "lora_slots": None if self.lora_slots is None else [self.config.max_loras, self.config.max_lora_rank],
             "block_size": self.block_size,
             "max_tokens": self.max_tokens,
@@ -272,6 +282,13 @@ class ModelRunner:
                                   f"{activation_peak / 2**30:.2f} GiB")
         return budget
 
+    def max_logits_rows(self) -> int:
+        """The most logits rows a step can have: one per sequence, plus one per draft when
+        speculation is on."""
+        drafts = (self.config.num_speculative_tokens * min(self.max_seqs, self.config.speculative_max_batch_size)
+                  if self.config.speculative_method != "none" else 0)
+        return min(self.max_seqs + drafts, self.max_tokens)
+
     @torch.inference_mode()
     def _profile_activation_peak(self) -> int:
         """Peak memory of the largest step: one sequence of max_num_batched_tokens tokens
@@ -283,10 +300,7 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         device = self.device
-        # A logits row per sequence, plus one per draft when speculation is on.
-        drafts = (self.config.num_speculative_tokens * min(self.max_seqs, self.config.speculative_max_batch_size)
-                  if self.config.speculative_method != "none" else 0)
-        num_logits = min(self.max_seqs + drafts, num_tokens)
+        num_logits = min(self.max_logits_rows(), num_tokens)
         meta = AttentionMetadata(
             positions=torch.arange(num_tokens, device=device),
             slot_mapping=torch.arange(num_tokens, device=device),
@@ -399,4 +413,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if decode_only and graphs is not None and graphs.covers(num_seqs) and (meta.lora is None or graphs.lora):
             return graphs.run(num_seqs)
+        mixed, num_logits = self.mixed_graphs, meta.logits_indices.shape[0]
+        if (not decode_only and mixed is not None and mixed.covers(input_ids.shape[0], num_seqs, num_logits)
+                and (meta.lora is None or mixed.lora)):
+            return mixed.run(input_ids.shape[0], num_seqs, num_logits)
         return self.model(input_ids, meta, self.kv_caches)
