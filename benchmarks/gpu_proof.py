@@ -385,6 +385,19 @@ class StubProfile:
                 "leaf": best(leaf), "error": self.error}
 
 
+def run_until(cmd: list[str], deadline: float, env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
+    """(exit code or None when cut at the deadline, stdout + stderr, seconds) of a command given
+    until the call's deadline (at least 30 s)."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=max(30.0, deadline - time.monotonic()))
+        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return None, f"timed out after {exc.timeout:.0f} s\n{partial}", time.monotonic() - started
+
+
 # ----------------------------------------------------------------------------- tests
 def tests_stage(plan: Plan, work: Path, record: Record, deadline: float) -> None:
     junit = work / "junit.xml"
@@ -395,15 +408,9 @@ def tests_stage(plan: Plan, work: Path, record: Record, deadline: float) -> None
         env["PYTHONPATH"] = os.environ["GPU_PROOF_TEST_PYTHONPATH"]
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
            *plan.test_args, *plan.test_files]
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                              timeout=max(30.0, deadline - time.monotonic()))
-        exit_code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        exit_code, output = None, f"timed out after {exc.timeout:.0f} s\n{exc.stdout or ''}"
-    (work / "pytest.log").write_text(output if isinstance(output, str) else output.decode(errors="replace"))
-    outcome = {"command": " ".join(cmd[2:]), "exit_code": exit_code, "seconds": time.monotonic() - started,
+    exit_code, output, seconds = run_until(cmd, deadline, env)
+    (work / "pytest.log").write_text(output)
+    outcome = {"command": " ".join(cmd[2:]), "exit_code": exit_code, "seconds": seconds,
                "summary_line": next((l for l in reversed(output.splitlines()) if " in " in l), ""),
                **junit_outcomes(junit)}
     record.data["tests"] = outcome
@@ -436,37 +443,24 @@ def junit_outcomes(junit: Path) -> dict[str, Any]:
 def roofline_stage(plan: Plan, work: Path, record: Record, deadline: float) -> None:
     out = work / "roofline.json"
     cmd = [sys.executable, "-m", "benchmarks.decode_roofline", *plan.roofline_args, "--json", str(out)]
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=max(30.0, deadline - time.monotonic()))
-        exit_code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        exit_code, output = None, f"timed out after {exc.timeout:.0f} s"
-    record.data["roofline"] = {"command": " ".join(cmd[2:]), "exit_code": exit_code,
-                               "seconds": time.monotonic() - started,
+    exit_code, output, seconds = run_until(cmd, deadline)
+    record.data["roofline"] = {"command": " ".join(cmd[2:]), "exit_code": exit_code, "seconds": seconds,
                                "results": json.loads(out.read_text()) if out.is_file() else None,
                                "output_tail": output.splitlines()[-30:]}
     record.save()
-    print(f"[roofline] exit {exit_code} in {time.monotonic() - started:.0f} s", flush=True)
+    print(f"[roofline] exit {exit_code} in {seconds:.0f} s", flush=True)
 
 
 # ----------------------------------------------------------------------------- profile
 def profile_stage(plan: Plan, work: Path, record: Record, deadline: float) -> None:
     """Where a 1B decode step's time goes at batch 64 (benchmarks.gpu_decode_profile): GPU only."""
     cmd = [sys.executable, "-m", "benchmarks.gpu_decode_profile", "--shape", "llama-1b", "--batches", "64"]
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=max(30.0, deadline - time.monotonic()))
-        exit_code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        exit_code, output = None, f"timed out after {exc.timeout:.0f} s"
+    exit_code, output, seconds = run_until(cmd, deadline)
     (work / "profile.log").write_text(output)
-    record.data["profile"] = {"command": " ".join(cmd[2:]), "exit_code": exit_code,
-                              "seconds": time.monotonic() - started, "output": output.splitlines()[-120:]}
+    record.data["profile"] = {"command": " ".join(cmd[2:]), "exit_code": exit_code, "seconds": seconds,
+                              "output": output.splitlines()[-120:]}
     record.save()
-    print(f"[profile] exit {exit_code} in {time.monotonic() - started:.0f} s", flush=True)
+    print(f"[profile] exit {exit_code} in {seconds:.0f} s", flush=True)
 
 
 # ----------------------------------------------------------------------------- main

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -63,6 +63,30 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@torch.inference_mode()
+def capture_graphs(sizes: list[int], pad: Callable[[int], None], forward: Callable[[int], torch.Tensor],
+                   device: torch.device) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph per size of ``forward(size)`` (the buffers ``pad(size)`` first), and its output."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = None
+    with collector_paused():
+        # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
+        for size in sorted(sizes, reverse=True):
+            pad(size)
+            forward(size)                       # warm-up: compiles the Triton kernels outside capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA calls (an old engine's loop thread freeing
+            # its graphs, say) do not invalidate this capture; this thread's still do.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                outputs[size] = forward(size)
+            pool = graph.pool()
+            graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs, outputs
 
 
 class DecodeGraphs:
@@ -122,23 +146,9 @@ class DecodeGraphs:
     def _forward(self, batch_size: int) -> torch.Tensor:
         return self.model(self.buffers.input_ids[:batch_size], self._meta(batch_size), self.kv_caches)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
-        with collector_paused():
-            # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
-            for batch_size in reversed(self.batch_sizes):
-                self._pad(0, batch_size)
-                self._forward(batch_size)           # warm-up: compiles the Triton kernels outside capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: another thread's CUDA calls (an old engine's loop thread freeing
-                # its graphs, say) do not invalidate this capture; this thread's still do.
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self.outputs[batch_size] = self._forward(batch_size)
-                pool = graph.pool()
-                self.graphs[batch_size] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.outputs = capture_graphs(self.batch_sizes, lambda size: self._pad(0, size), self._forward,
+                                                   self.device)
 
     def run(self, num_seqs: int) -> torch.Tensor:
         """Logits of the decode step already written into the step buffers."""
@@ -223,20 +233,9 @@ class MixedGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.buffers.input_ids[:size], self._meta(size), self.kv_caches)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
-        with collector_paused():
-            for size in reversed(self.token_sizes):     # largest first: the others reuse its pool
-                self._pad(0, 0, 0, size)
-                self._forward(size)                     # warm-up outside capture (Triton compiles)
-                torch.cuda.synchronize(self.buffers.input_ids.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self.outputs[size] = self._forward(size)
-                pool = graph.pool()
-                self.graphs[size] = graph
-        torch.cuda.synchronize(self.buffers.input_ids.device)
+        self.graphs, self.outputs = capture_graphs(self.token_sizes, lambda size: self._pad(0, 0, 0, size),
+                                                   self._forward, self.buffers.input_ids.device)
 
     def run(self, num_tokens: int, num_seqs: int, num_logits: int) -> torch.Tensor:
         """Logits of the step already written into the step buffers."""
