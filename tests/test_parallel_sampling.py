@@ -57,7 +57,7 @@ def test_child_i_equals_the_single_request_with_seed_plus_i(engine: Engine, pros
 
 def test_the_prompts_full_blocks_are_computed_once(engine: Engine, prose_ids: list[int]) -> None:
     prompt = prose_ids[100:100 + 300]           # 18.75 blocks of 16: not block-aligned
-    engine.kv_cache.pool.reset_prefix_cache()
+    engine.kv_cache.reset_prefix_cache()
     before = engine.stats().prompt_tokens_total
     loop = EngineLoop(engine).start()
     try:

@@ -23,8 +23,26 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
 
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached_blocks
+
+    def forget_unwritten(self, blocks: list[KVBlock]) -> None:
+        """After a failed step: the prefix-cache entries of those of ``blocks`` nobody holds any
+        more go (the step that was to write their K/V did not)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.pool.uncache(block)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_blocks.get(request_id, [])

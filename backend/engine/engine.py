@@ -242,7 +242,7 @@ class Engine:
         """A validator with this engine's limits; pass a separate tokenizer to use it from
         another thread (tokenizer objects are not shared across threads)."""
         return RequestValidator(tokenizer or self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                self.config.block_size, self.kv_cache.pool.num_blocks, self.loras)
+                                self.config.block_size, self.kv_cache.num_blocks, self.loras)
 
     def abort(self, request_id: str, message: str | None = None) -> bool:
         """Stop a request now and free its blocks. Its final output (finish_reason "abort",
@@ -426,9 +426,7 @@ class Engine:
         for request in culprit_requests:
             logger.error("request %s failed in an engine step: %r", request.request_id, culprits[request.request_id])
             outputs.append(self._fail_request(request, culprits[request.request_id]))
-        for block in pending:
-            if block.ref_count == 0:
-                self.kv_cache.pool.uncache(block)
+        self.kv_cache.forget_unwritten(pending)
         self.sampler.restore_rng_state(rng)
         sampling, sampled = self._run_batch(survivors, sched) if survivors else ([], None)
         return survivors, sampling, sampled
@@ -538,12 +536,12 @@ class Engine:
         return [finals[i] for i in ids]
 
     def stats(self) -> EngineStats:
-        pool = self.kv_cache.pool
-        used = pool.num_blocks - pool.num_free_blocks
+        kv = self.kv_cache
+        used = kv.num_blocks - kv.num_free_blocks
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
-            kv_blocks_cached=pool.num_cached_blocks, kv_usage=used / pool.num_blocks,
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_cached=kv.num_cached_blocks, kv_usage=used / kv.num_blocks,
             prefix_cache_queried_tokens=self.kv_cache.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
@@ -560,5 +558,5 @@ class Engine:
         self.kv_cache.check_invariants(live)
         if set(live) | {r.request_id for r in self.scheduler.waiting} != set(self.requests):
             raise AssertionError("engine and scheduler disagree on the live requests")
-        if not self.requests and self.kv_cache.pool.num_free_blocks != self.kv_cache.pool.num_blocks:
+        if not self.requests and self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
             raise AssertionError("no request is live but some KV blocks are not free")
