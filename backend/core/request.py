@@ -64,7 +64,7 @@ class Request:
     eos_token_ids: frozenset[int]
     token_ids: list[int] = field(init=False)   # prompt + output, the list the counter catches up with
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1           # prompt tokens served from the prefix cache (set on first admission)
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None until first admitted)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks

@@ -299,7 +299,7 @@ class Scheduler:
                 continue
             self.waiting.remove(request)
             self.kv_cache.record_prefix_lookup(request, num_hit)
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -442,7 +442,7 @@ class Scheduler:
                 break
             reserved += need
             self.waiting.remove(request)
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:
                 request.num_cached_tokens = 0
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -440,7 +440,7 @@ class Engine:
         self._detokenizers.pop(request.request_id, None)
         return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finish_reason=FinishReason.ERROR,
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             num_cached_tokens=request.num_cached_tokens or 0,
                              num_output_tokens=request.num_output_tokens, finish_message=f"{type(error).__name__}: {error}",
                              _all_token_ids=request.token_ids)
 
@@ -502,7 +502,7 @@ class Engine:
         detokenizer = self._detokenizers[request.request_id]
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_ids, new_text=delta, finish_reason=finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens, new_logprobs=new_logprobs if want_logprobs else None,
             cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
             stop_reason=stop_reason, _all_token_ids=request.token_ids, _detokenizer=detokenizer,
