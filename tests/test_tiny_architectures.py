@@ -74,3 +74,28 @@ def _tensor_names(folder: Path) -> set[str]:
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         return set(f.keys())
+
+
+def test_the_registry_names_every_family_and_refuses_the_rest(tmp_path: Path) -> None:
+    from backend.model.architecture import ModelArchitecture
+    from backend.model.registry import FAMILIES, family_of
+
+    for model_type, family in FAMILIES.items():
+        assert family.model_type == model_type and callable(family.model_class())
+    config = {"model_type": "gemma3_text", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
+              "num_hidden_layers": 1, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma3_text' \(supported: \('llama'"):
+        ModelArchitecture.from_folder(tmp_path)
+    # A family's switches reach the architecture: qwen2's q/k/v biases, qwen3's q/k norms,
+    # mistral's window capping the context.
+    for model_type, expect in (("qwen2", dict(qkv_bias=True, qk_norm=False)),
+                               ("qwen3", dict(qkv_bias=False, qk_norm=True)),
+                               ("llama", dict(qkv_bias=False, qk_norm=False))):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        arch = ModelArchitecture.from_folder(tmp_path)
+        assert (arch.qkv_bias, arch.qk_norm) == (expect["qkv_bias"], expect["qk_norm"]), model_type
+        assert family_of(model_type).model_type == model_type
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 64,
+                                                       "max_position_embeddings": 4096}))
+    assert ModelArchitecture.from_folder(tmp_path).max_position_embeddings == 64

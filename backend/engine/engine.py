@@ -23,6 +23,7 @@ from backend.core.step_cost import StepCostModel
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.validation import Prompt, RequestValidator
 from backend.lora.registry import LoRARegistry
+from backend.model.registry import FAMILIES
 from backend.errors import InvalidRequestError, QueueFullError, is_device_error
 from backend.model.architecture import ModelArchitecture
 from backend.outputs import FinishReason, Logprob, RequestOutput
@@ -105,8 +106,8 @@ def _count_loras(requests: Any) -> dict[str, int]:
 # Model types whose tokenizer, when tokenizer_config.json names the generic class, is exactly
 # tokenizer.json: AutoTokenizer would pick TokenizersBackend for them too (transformers keeps a
 # list of model types whose Hub tokenizer class it overrides; tests/test_detokenizer.py checks
-# that none of these is on it and that both paths tokenize alike).
-PLAIN_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
+# that none of these is on it and that both paths tokenize alike). The registry says which.
+PLAIN_TOKENIZER_MODEL_TYPES = frozenset(t for t, family in FAMILIES.items() if family.plain_tokenizer)
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 

@@ -1,5 +1,5 @@
 """The model's shape, read from a Hugging Face config.json and normalised across the
-Llama family (llama, mistral, qwen2, qwen3)."""
+families of the model registry (backend/model/registry.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from backend.model.registry import family_of
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,7 @@ class ModelArchitecture:
     def from_folder(cls, folder: str | Path) -> "ModelArchitecture":
         cfg = json.loads((Path(folder) / "config.json").read_text())
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+        family = family_of(model_type)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
         # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
@@ -45,7 +44,7 @@ class ModelArchitecture:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 2048)
-        if model_type == "mistral" and cfg.get("sliding_window"):
+        if family.window_limits_context and cfg.get("sliding_window"):
             # Attention here is full-context: only serve what the sliding window would see.
             max_pos = min(max_pos, cfg["sliding_window"])
         return cls(
@@ -62,7 +61,7 @@ class ModelArchitecture:
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=max_pos,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=family.qkv_bias or cfg.get("attention_bias", False),
+            qk_norm=family.qk_norm,
             initializer_range=cfg.get("initializer_range", 0.02),
         )

@@ -4,17 +4,14 @@ projections), or random weights from its config.json (``load_format="dummy"``)."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import Int8Linear, replace_linears
 from backend.model.llama import CausalLM, rope_inverse_frequencies
-
-_FUSED = {  # fused parameter -> the checkpoint's parts, in concatenation order
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+from backend.model.registry import family_of
 
 
 def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -37,8 +34,9 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     (``backend.model.cpu_linear_tuning.choose_cpu_linear``); ``fused_layer_ops``: see
     ``CausalLM.use_fused_layer_ops``."""
     folder = Path(folder)
+    family = family_of(arch.model_type)
     with torch.device("meta"):
-        model = CausalLM(arch, attention_backend)
+        model = family.model_class()(arch, attention_backend)
     # Parameters are created in the target dtype on the target device: an 8B model never
     # exists in float32 on the GPU.
     model = model.to_empty(device=device).to(dtype)
@@ -53,7 +51,7 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
                     values = torch.randn(param.shape, generator=generator, device=device)
                     param.copy_(values.mul_(arch.initializer_range))
     else:
-        _load_checkpoint(model, _checkpoint_tensors(folder))
+        _load_checkpoint(model, _checkpoint_tensors(folder), family.fused_weights)
     # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
     if quantization == "int8":
@@ -67,12 +65,13 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     return model.eval()
 
 
-def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
+def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor],
+                     fused_weights: Mapping[str, tuple[str, ...]]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, param in params.items():
         sources = [name]
-        for fused, parts in _FUSED.items():
+        for fused, parts in fused_weights.items():
             if fused + "." in name:
                 sources = [name.replace(fused, part) for part in parts]
         missing = [s for s in sources if s not in tensors]

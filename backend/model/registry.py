@@ -1,0 +1,58 @@
+"""The model registry: a Hugging Face ``model_type`` -> the family that serves it.
+
+A family names the module and class of its decoder (imported only when a model of it loads)
+and what sets its model types apart: how the checkpoint's projections fuse into ours, which
+config switches it reads, how its tokenizer loads. A new family is a module under
+``backend/model/`` and an entry here; nothing in ``core/``, ``engine/`` or ``sample/`` names a
+model type.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+# Fused parameter -> the checkpoint's parts, in concatenation order (Llama-style checkpoints
+# keep q/k/v and gate/up apart; the decoder runs each group as one matmul).
+LLAMA_FUSED_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+})
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    module: str                                  # the decoder's module ...
+    class_name: str                              # ... and class
+    fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FUSED_WEIGHTS)
+    qkv_bias: bool = False                       # biases on q/k/v whatever config.json says
+    qk_norm: bool = False                        # RMSNorm on each head of q and k before RoPE
+    window_limits_context: bool = False          # config's sliding_window caps the context served
+                                                 # (attention here is full-context)
+    # Its tokenizer is exactly tokenizer.json when tokenizer_config.json names the generic class
+    # (transformers remaps no such model type; tests/test_detokenizer.py checks it).
+    plain_tokenizer: bool = False
+
+    def model_class(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+_LLAMA_MODULE = ("backend.model.llama", "CausalLM")
+
+FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: family for family in (
+    ModelFamily("llama", *_LLAMA_MODULE, plain_tokenizer=True),
+    ModelFamily("mistral", *_LLAMA_MODULE, window_limits_context=True),
+    ModelFamily("qwen2", *_LLAMA_MODULE, qkv_bias=True),
+    ModelFamily("qwen3", *_LLAMA_MODULE, qk_norm=True),
+)})
+
+
+def family_of(model_type: str | None) -> ModelFamily:
+    """The family serving ``model_type``; ValueError naming the supported ones otherwise."""
+    family = FAMILIES.get(model_type or "")
+    if family is None:
+        raise ValueError(f"unsupported model_type {model_type!r} (supported: {tuple(FAMILIES)})")
+    return family
