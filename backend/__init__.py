@@ -2,7 +2,7 @@
 preemption, priorities. No Triton imports here; model_repository/ adapts it.
 
 The names below are imported on first use: ``backend.config`` alone (what the launcher reads
-to check engine parameters) then does not import torch and the model code (~4 s)."""
+to check engine parameters) then does not import torch and the model code (slow to import)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ that child, multiplies small matrices whose every product and sum is exact in fl
 summation order gives the same bits), and compares each output with the exact result. A child
 killed by a signal, hung, refused the AMX state or wrong leaves the tiles off in the engine.
 
-The child side (``check_tiles_here``) is plain Python and ctypes (no torch): it starts in ~50 ms and runs
+The child side (``check_tiles_here``) is plain Python and ctypes (no torch): it starts quickly and runs
 under any Python 3. The parent side is ``probe_once``, one probe per library and process.
 
     python kernels/amx_probe.py LIBRARY.so [LIBGOMP.so]   # prints one JSON line; exit status 0 when it ran
@@ -33,7 +33,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_S = 60.0                        # a child that has not answered by then is hung (it needs ~0.1 s)
+TIMEOUT_S = 60.0                        # a child that has not answered by then is hung (it needs far less)
 
 PANEL = 16                              # output columns of a packed panel (linear_bf16.c's NR)
 IN_FEATURES = 96                        # three AMX k chunks of 32 (an odd count)

@@ -1,7 +1,7 @@
 """Paged attention for CPU: every decode row of a step in one batched computation per layer.
 
 The reference (``kernels/reference.py``) loops over sequences in Python and copies K/V per
-query head; on CPU that loop dominated a decode step (~77% of it at 16 sequences). Here the
+query head; on CPU that loop dominated a decode step at 16 sequences. Here the
 step's indices are derived from the block tables once (``plan_attention_cpu``) and every
 layer reuses them:
 
@@ -13,7 +13,7 @@ layer reuses them:
   ``scaled_dot_product_attention`` runs over it with ``enable_gqa`` (K/V are never repeated
   per query head) and a padding mask. That copies every decode's whole context per layer
   and step, so it is only the fallback: at 16 bfloat16 decodes of 300-1000 tokens it took
-  ~330 ms of a step against the C kernel's ~17 ms (benchmarks/decode_breakdown.py). Padding
+  many times the C kernel's time (benchmarks/decode_breakdown.py). Padding
   positions gather a slot the sequence owns, so nothing outside a sequence's own blocks is
   ever read (unused slots may hold garbage).
 - Sequences with several new tokens (prefill chunks, fresh prompts) go to the C prefill
@@ -25,8 +25,9 @@ layer reuses them:
   backend/model/prefill_attention_choice.py): its flash kernel runs oneDNN's brgemm, which uses
   AMX tiles for bfloat16 where the CPU has them, and no kernel of ours does for attention. A
   fresh prompt is plain causal attention over its own K/V; a chunk over cached context attends
-  its gathered context with a mask. On the AVX2 Zen 3 ours ran 2.2-2.45x SDPA's speed, so
-  there it is never chosen.
+  its gathered context with a mask. Without AVX-512 ours ran well ahead of SDPA
+  (docs/benchmarks.md, "Prompt attention: ours against torch's SDPA"), so there it is never
+  chosen.
 
 Scores and softmax are float32 whatever the cache dtype, as in the reference.
 """
@@ -93,7 +94,7 @@ class TorchAttentionPlan:
 class CpuAttentionPlan:
     """One step's attention indices, shared by every layer: what the C kernels read, built
     eagerly; torch's gather indices (``torch_plan``) only when a layer takes torch's path, since
-    with the C kernels nothing reads them (they cost ~0.1-0.5 ms a step to build)."""
+    with the C kernels nothing reads them (building them costs time every step)."""
     decode_rows: torch.Tensor | None     # [num_decodes] query rows of one-token sequences
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     decode_tables: torch.Tensor | None    # [num_decodes, max_blocks] int32, contiguous
@@ -198,7 +199,7 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int, length: int,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[batch, num_kv_heads, length, head_dim]`` K or V of the given slots, in ``dtype``."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    flat = cache.view(-1, num_kv_heads * head_dim).index_select(0, slots)   # 2-D rows: ~2x faster
+    flat = cache.view(-1, num_kv_heads * head_dim).index_select(0, slots)   # 2-D rows: faster
     return flat.view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
 
 
@@ -226,7 +227,7 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         return out
     # torch's path attends every prefill, sdpa_spans included (torch_plan lists them all), in
     # float32 whatever the cache dtype: torch's CPU flash attention would take bfloat16 as it
-    # is (no widened copies, 13% faster for a 512-token prompt), but it rounds the softmax
+    # is (no widened copies, faster for a 512-token prompt), but it rounds the softmax
     # probabilities to bfloat16 before the weighted sum (2% of outputs off by 1-2 units).
     _prefills_through_sdpa(query, key_cache, value_cache, scale, plan.torch_plan.prefills, out, torch.float32)
     return out

@@ -396,7 +396,7 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> None:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 CPU logits [rows, vocab] with unit column stride
-    (kernels/csrc/sampling.c: the same answer, ties and NaN included, ~6x faster than torch's
+    (kernels/csrc/sampling.c: the same answer, ties and NaN included, much faster than torch's
     CPU argmax on a decode step's logits, docs/benchmarks.md). Returns int64 [rows]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64)

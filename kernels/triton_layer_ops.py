@@ -2,8 +2,8 @@
 
 A decoder layer's torch ops outside the matmuls and attention (RMSNorm in float32 with its
 casts, the residual adds, RoPE's slice-negate-concatenate-multiply-add, the cache write) are
-~20 kernel launches of 1-3 us each. On an H200, a Llama-1B decode step replayed from a CUDA
-graph spent ~0.7 ms of its 1.67 ms GPU time in ~300 of them (benchmarks/gpu_decode_profile.py;
+~20 small kernel launches. A Llama-1B decode step replayed from a CUDA graph spent a large
+share of its GPU time in ~300 of them (benchmarks/gpu_decode_profile.py;
 docs/benchmarks.md, "First GPU run"). These two kernels do the same work in three launches a
 layer, with the same contracts as ``kernels.cpu_native.add_rms_norm`` and
 ``kernels.cpu_native.rope_and_cache``, so ``CausalLM`` runs either behind one seam:
@@ -53,8 +53,8 @@ def _bf16_by_bits(dtype: torch.dtype) -> bool:
 
 
 def _rows_per_program(rows: int) -> int:
-    """One row (token) per program on a GPU. Triton's CPU interpreter pays ~5-10 ms a program
-    whatever its size, so there a program takes up to 256 rows."""
+    """One row (token) per program on a GPU. Triton's CPU interpreter pays a large fixed cost
+    a program whatever its size, so there a program takes up to 256 rows."""
     return min(triton.next_power_of_2(rows), 256) if _INTERPRETED else 1
 
 

@@ -40,9 +40,10 @@ def find_gguf() -> Path:
 @contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """transformers' GGUF loading parses the file three times (tokenizer, config, weights: the
-    metadata holds the 49k-token vocabulary, ~6 s a parse on the 2-core AVX2 EPYC) and builds
-    gguf's tensor-name table once per tensor (~400 times, ~7 s). Both are pure functions of
-    their arguments, read through the ``gguf`` module at each call: memoised for the conversion."""
+    metadata holds the 49k-token vocabulary, slow to parse) and builds gguf's tensor-name
+    table once per tensor (~400 times; docs/benchmarks.md, "Start-up and `make test` time").
+    Both are pure functions of their arguments, read through the ``gguf`` module at each call:
+    memoised for the conversion."""
     import functools
 
     import gguf

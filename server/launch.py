@@ -254,7 +254,7 @@ class TritonServer:
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
                "--exit-on-error=true", "--log-verbose=0", f"--exit-timeout-secs={self.exit_timeout_s}",
-               # config.pbtxt is complete: auto-complete would start a stub only to ask model.py (5 s)
+               # config.pbtxt is complete: auto-complete would start a whole stub only to ask model.py
                "--disable-auto-complete-config"]
         if self._log is not None:
             self._log.close()
@@ -287,7 +287,7 @@ class TritonServer:
             # A server this thread restarted gets SIGTERM from the kernel when the thread ends
             # (terminate_with_parent). Ending with stop()'s first step would signal it before
             # stop() has drained it: Triton then began to unload with the model undrained and
-            # sat out its whole exit timeout (15-30 s per replica that had been restarted).
+            # sat out its whole exit timeout, for every replica that had been restarted.
             # So the thread lasts until stop() has ended the server.
             if self.process is not None:
                 self.process.wait()
@@ -353,7 +353,7 @@ class TritonServer:
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     model_ready = response.status == 200
-                # Triton starts its metrics service after HTTP (~40 ms later, measured): ready
+                # Triton starts its metrics service after HTTP (a moment later): ready
                 # means every endpoint answers.
                 with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
                     if model_ready and response.status == 200:

@@ -124,10 +124,10 @@ class Scheduler:
     def _step_target(self, out: SchedulerOutput) -> float | None:
         """The predicted-time ceiling this step's prefill chunks and drafts are sized to, given
         its decodes (``out``), or None (fixed token budget). ``itl_target_ms``, but at least
-        ``itl_target_decode_multiple`` times the decodes' own predicted time: on a CPU where
-        16 decodes take half of 150 ms, a 150 ms ceiling left prefill ~40 tokens a step, less
-        than the prompts arriving needed, so prompts queued (TTFT p50 1.6x, and every prompt
-        over ~40 tokens counted as long; docs/benchmarks.md, "The AVX2-only check")."""
+        ``itl_target_decode_multiple`` times the decodes' own predicted time: on a CPU where a
+        step's decodes take half the target, the target alone left prefill few tokens a step,
+        fewer than the prompts arriving needed, so prompts queued (a higher TTFT, and every
+        prompt over those few tokens counted as long; docs/benchmarks.md, "The AVX2-only check")."""
         config = self.config
         if config.itl_target_ms <= 0 or self.cost_model is None:
             return None

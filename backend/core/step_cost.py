@@ -12,9 +12,9 @@ A step's time is close to linear in six features of its composition (``FEATURES`
   the query-key pairs of their attention: ``n * (p + (n + 1) / 2)`` for ``n`` tokens after ``p``
   cached ones. This is the term that grows as a long prompt's chunks move deeper into it.
 - ``prefill_context``: over the same rows, the context they attend to, ``p + n``: what a chunk
-  pays for streaming its K/V pages whatever its size. Measured on the 2-core EPYC, a 32-token
-  chunk 3,000 tokens deep costs ~30% more per pair than a 256-token one (its K/V no longer
-  fit the core's L2 and few queries share each load); 1,000 deep they cost the same.
+  pays for streaming its K/V pages whatever its size. Measured: a 32-token chunk 3,000 tokens
+  deep costs noticeably more per pair than a 256-token one (its K/V no longer fit the core's
+  L2 and few queries share each load); 1,000 deep they cost the same.
 
 The coefficients (seconds per unit) are fitted by least squares on relative error (each sample
 weighted by 1 / its measured time, so a 20 ms decode step counts as much as a 400 ms prefill),

@@ -127,8 +127,8 @@ def loads_tokenizer_directly(folder: str) -> bool:
 
 def load_tokenizer(folder: str) -> Any:
     """The folder's tokenizer, as AutoTokenizer loads it. AutoTokenizer first resolves the
-    model's config class, which imports most of transformers: ~3 s of every server start on the
-    2-core AVX2 EPYC (Zen 3), against 0.3 s for loading tokenizer.json directly where that is
+    model's config class, which imports most of transformers: a large part of every server
+    start, against a small fraction of it for loading tokenizer.json directly where that is
     what AutoTokenizer would do anyway."""
     if loads_tokenizer_directly(folder):
         from transformers import TokenizersBackend
@@ -224,7 +224,7 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarService:
-        """Structured outputs' grammar compiler. Built on first use (about 0.2 s: xgrammar's
+        """Structured outputs' grammar compiler. Built on first use (it builds xgrammar's
         view of the vocabulary), so that engines never asked for one do not pay for it."""
         if self._grammars is None:
             self._grammars = GrammarService.for_tokenizer(self.tokenizer, self.arch.vocab_size,

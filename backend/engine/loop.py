@@ -42,7 +42,7 @@ ParallelCallback = Callable[[ParallelOutput | BaseException], None]
 
 
 # glibc keeps freed heap memory (steps of ever-different shapes leave it fragmented) instead
-# of returning it: a 30-minute soak grew the stub's RSS by 17% with no live object behind it,
+# of returning it: a long soak grew the stub's RSS with no live object behind it,
 # and malloc_trim(0) gave it all back. The loop trims this often, between steps.
 TRIM_INTERVAL_S = 30.0
 
@@ -61,9 +61,9 @@ def build_engine(config: EngineConfig) -> Engine:
     thread (Triton's stub main thread) the engine leaves an idle pool there; the loop thread
     then starts a second one, libgomp counts more of its threads than cores and throttles
     every worker's spin-wait to almost nothing, and the workers fall asleep between the ~250
-    parallel regions of a step. On the 2-core AVX-512 EPYC that made a served bfloat16 decode
-    step 30.5 ms instead of 22.3 (docs/benchmarks.md). A pool dies with its thread, so
-    building here leaves the loop thread's the only one."""
+    parallel regions of a step, which made a served bfloat16 decode step markedly slower
+    (docs/benchmarks.md). A pool dies with its thread, so building here leaves the loop
+    thread's the only one."""
     built: list[Engine] = []
     failed: list[BaseException] = []
 

@@ -2,8 +2,8 @@
 
 ``CausalLM._decoder_fused`` runs the same C kernels from Python, one layer at a time; that loop
 is the reference, and this gives its bits (tests/test_cpu_decoder.py). What it saves is the
-Python between the kernels: ~250 us a layer, 12% of the layers' time in a 16-sequence bfloat16
-decode step on the 2-core Zen 3 (docs/benchmarks.md, "The decoder layers in one C call").
+Python between the kernels, a noticeable share of the layers' time in a 16-sequence bfloat16
+decode step (docs/benchmarks.md, "The decoder layers in one C call").
 
 It applies wherever the fused C layer ops do (the C attention, float32 or bfloat16, no q/k
 norm). A projection that is our C kernel (``NativeLinear`` in float32, ``NativeBf16Linear`` in
@@ -224,7 +224,7 @@ class CpuDecoder:
             if which is Projection.down and self._gate_up_layer == layer:
                 # This layer's gate|up came from a module: SiLU(gate) * up is in its output.
                 source = self._outputs[Projection.gate_up][:, :self.shape.intermediate]
-            # forward, not __call__: no hooks on these modules, and ~3 us less a call (120 a step).
+            # forward, not __call__: no hooks on these modules, and less overhead a call (120 a step).
             out = self.projections[layer][which].forward(source)
             if self._with_lora:
                 add_lora(out, source, layer, which.name)

@@ -5,10 +5,10 @@ weight-only int8 (opt-in).
 blocked layout on every call; for the decode batches an engine runs (tens of rows against
 a weight of millions) that packing is a large share of the matmul. Packing each weight
 once at load time, as PyTorch's own CPU inference path (inductor's weight freezing) does,
-measured 1.6x faster for a decoder layer's projections and 2.5x for SmolLM2's 49152-row
-LM head at 16 rows on a 2-core AVX2 EPYC (docs/benchmarks.md). Our own kernel over
-weights packed in 16-column panels (``NativeLinear``, kernels/csrc/linear_f32.c) is a
-further 1.4x over oneDNN's on the whole model's projections at 16 rows, and 1.6x at one.
+measured clearly faster for a decoder layer's projections, and more so for SmolLM2's
+49152-row LM head, at 16 rows (docs/benchmarks.md). Our own kernel over weights packed in
+16-column panels (``NativeLinear``, kernels/csrc/linear_f32.c) is faster again than
+oneDNN's on the whole model's projections, at 16 rows and at one.
 
 ``F.linear`` stays the reference: ``cpu_linear=torch`` serves with it, and tests compare
 every path with it.
@@ -55,13 +55,13 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
 
     | weights  | CPU                      | auto   | why (decode rows 16, the serving regime)              |
     |----------|--------------------------|--------|-------------------------------------------------------|
-    | float32  | AVX2 + FMA, no AVX-512   | native | 1.4x oneDNN's (AMD EPYC Zen 2)                         |
-    | float32  | AVX-512                  | onednn | 512-bit registers: 1.12x ours at 16 rows, 1.42x at 64  |
-    | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: 1.34x prepacked oneDNN at 16 rows     |
-    | bfloat16 | AMX-BF16                 | onednn | 1.12x our dot products at 16 rows (Xeon, 2 cores);     |
+    | float32  | AVX2 + FMA, no AVX-512   | native | faster than oneDNN's                                   |
+    | float32  | AVX-512                  | onednn | 512-bit registers: faster than ours, more at 64 rows   |
+    | bfloat16 | AVX512_BF16 (no AMX)     | native | our bf16 kernel: faster than prepacked oneDNN          |
+    | bfloat16 | AMX-BF16                 | onednn | faster than our dot products;                          |
     |          |                          |        | with our AMX version built, ``auto`` times both at     |
     |          |                          |        | start-up (backend/model/cpu_linear_tuning.py): the     |
-    |          |                          |        | tiles won every timing so far, by 1.14-1.7x            |
+    |          |                          |        | tiles won every timing so far                          |
     | bfloat16 | AVX2 + FMA, no bf16 math | native | our kernel's AVX2 version (widening): see the docs     |
     | other    | any                      | torch  | F.linear                                              |
 
@@ -107,10 +107,10 @@ def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
 def rule_is_measured(dtype: torch.dtype, features: CpuFeatures | None = None) -> bool:
     """Whether ``resolve_cpu_linear``'s ``auto`` is taken as it stands for this dtype and CPU. The
     one cell that is timed at start-up instead: bfloat16 on AMX where our kernel's AMX version is
-    built. oneDNN won against our dot products there; the tiles beat oneDNN in all three timings
-    on two Xeons (2026-11-26: 1.14-1.7x at 16 rows, 1.14-1.37x at 512), but by margins that
-    varied by machine, and the AMX probe may still turn the tiles off, so the engine keeps timing
-    them where it runs (docs/benchmarks.md, "Side by side in one call on the H100 machine's Xeon")."""
+    built. oneDNN won against our dot products there; the tiles beat oneDNN in every timing so
+    far, at 16 rows and at 512, but by margins that varied by machine, and the AMX probe may
+    still turn the tiles off, so the engine keeps timing them where it runs (docs/benchmarks.md,
+    "Side by side in one call on the H100 machine's Xeon")."""
     features = features or detect()
     return not (dtype == torch.bfloat16 and features.isa == CpuIsa.AMX_BF16
                 and cpu_native.linear_bf16_version() == "amx-bf16")
@@ -119,8 +119,8 @@ def rule_is_measured(dtype: torch.dtype, features: CpuFeatures | None = None) ->
 def _in_panels(weight: torch.Tensor, dtype: torch.dtype, row_shape: tuple[int, ...]) -> torch.Tensor:
     """[out, in] -> [ceil(out / 16), row_shape[0], 16, *row_shape[1:]] in ``dtype``, zero past
     ``out``; each weight row viewed as ``row_shape``. Written in one copy: padding the weight and
-    then transposing it copied it twice, ~0.25 s more of an engine's 1.5 s start-up (SmolLM2,
-    2-core AVX2 EPYC); ``tests/test_cpu_linear.py`` holds it to that obvious version."""
+    then transposing it copied it twice, a noticeable part of an engine's start-up;
+    ``tests/test_cpu_linear.py`` holds it to that obvious version."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL_WIDTH)
     full = out_features // PANEL_WIDTH
@@ -291,8 +291,8 @@ class Int8Linear(nn.Module):
     """Weight-only int8 (``quantization=int8``): symmetric per-output-channel scales,
     ``W ~= scale[n] * Wq[n, :]``; the matmul runs in torch's int8 weight kernel with
     bfloat16 activations and the result is cast back. A quarter of float32's weight bytes;
-    on the 2-core AVX2 EPYC measured slower than packed float32 from 16 rows up and faster
-    for a single row (docs/benchmarks.md)."""
+    measured slower than packed float32 from 16 rows up and faster for a single row
+    (docs/benchmarks.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

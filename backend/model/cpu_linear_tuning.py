@@ -2,8 +2,8 @@
 
 ``resolve_cpu_linear``'s rule comes from ``benchmarks.cpu_linear`` runs on the CPUs measured so
 far (docs/benchmarks.md). One cell is timed instead: bfloat16 on a CPU with AMX, where our
-kernel's AMX-tile version competes with oneDNN's own AMX path (the tiles won each of the three
-timings on two Xeons so far, by margins that varied by machine). There, and wherever
+kernel's AMX-tile version competes with oneDNN's own AMX path (the tiles won every timing so
+far, by margins that varied by machine). There, and wherever
 ``cpu_linear=measure`` asks, the engine times every path that runs here on the model's own
 projection shapes, before it loads the weights, and takes the fastest; the start-up log gives
 the figures.
@@ -22,8 +22,8 @@ the figures.
   would raise TTFT; the score weighs both.
 - **Ours wins ties:** another path must score ``NATIVE_MARGIN`` better to be chosen, since with
   our kernel (and the default fused layer ops) the whole decoder runs as one C call a step, which
-  this timing of the matmuls alone does not see (1.07-1.09x a decode step against oneDNN's projections called back from C on
-  the AVX2 Zen 3: docs/benchmarks.md, "Projections called back from the C layer loop").
+  this timing of the matmuls alone does not see (a faster decode step than with oneDNN's projections
+  called back from C: docs/benchmarks.md, "Projections called back from the C layer loop").
 - **A wrong kernel is never chosen:** each path's output on the first layer's shapes (every
   shape a layer has), at both row counts, is checked against ``F.linear`` in float32 on the same
   weights first. A path off by more than its dtype's rounding, or that raises, is left out and
@@ -65,8 +65,8 @@ PATH_MAKERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]]
     "onednn": linear_maker("onednn"),
 }
 # oneDNN with its weights packed for the decode batch (a batch-size hint; ``onednn`` packs without
-# one). Timed as a path of its own: on the AMX Xeon oneDNN's unhinted AMX path streamed the
-# weights at half the memory's pace at 16 rows, and whether the hint is why has not been measured.
+# one). Timed as a path of its own: on an AMX CPU oneDNN's unhinted AMX path streamed the
+# weights well below the memory's pace at 16 rows, and whether the hint is why has not been measured.
 HINTED_ONEDNN = "onednn-hinted"
 
 

@@ -28,7 +28,7 @@ def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
     dim = arch.head_dim
     # On the CPU even inside a ``torch.device("meta")`` block (the loader's): arithmetic on meta
     # tensors runs through torch's Python decompositions, whose first call imports torch._dynamo
-    # (~2 s of every engine start).
+    # (a noticeable part of every engine start).
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = arch.rope_scaling
     if scaling is None:
@@ -154,7 +154,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         add_lora(gate_up, x, self.layer, "gate_up")
-        # Slices, not .split(): the same views for a fraction of the Python cost (~40 us a layer).
+        # Slices, not .split(): the same views for a fraction of the Python cost.
         gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
         if self.layer_ops is not None and gate_up.dim() == 2:
             self.layer_ops.silu_and_mul(gate_up, self.intermediate_size)   # gate := SiLU(gate) * up, one pass

@@ -2,15 +2,15 @@
 
 Our C prefill kernel (kernels/csrc/paged_attention.c) computes in float32 vectors whatever the
 cache's dtype. torch's ``scaled_dot_product_attention`` takes bfloat16 as it is, and its flash
-kernel runs oneDNN's brgemm, which uses AMX tiles where the CPU has them: on the AMX Xeon the
-attention of a 512-token prompt was the larger half of the step (~107 ms of ours at 85 GFLOP/s
-against ~80 ms of AMX matmuls; docs/benchmarks.md), so SDPA may win there. A fresh prompt is
+kernel runs oneDNN's brgemm, which uses AMX tiles where the CPU has them: on a CPU with AMX our
+attention of a 512-token prompt was the larger half of the step, longer than its AMX matmuls
+(docs/benchmarks.md), so SDPA may win there. A fresh prompt is
 plain causal attention for it; a chunk over cached context (chunked prefill, prefix hits)
 attends its gathered context with a mask.
 
-- **Measured rule:** on a CPU without AVX-512 ours ran 2.22x (float32) and 2.45x (bfloat16)
-  SDPA's speed on a 512-token prompt (the AVX2 Zen 3; docs/benchmarks.md, "Prompt attention:
-  ours against torch's SDPA"): ours, untimed.
+- **Measured rule:** on a CPU without AVX-512 ours ran well ahead of SDPA, in float32 and in
+  bfloat16, on a 512-token prompt (docs/benchmarks.md, "Prompt attention: ours against torch's
+  SDPA"): ours, untimed.
 - **Timed elsewhere** (AVX-512, AVX512_BF16, AMX: no figures yet), and wherever
   ``cpu_prefill_attention=measure`` asks: one layer's attention of one prefill at the model's
   head shape, in shuffled cache blocks, of each of ``PROMPT_LENGTHS`` new tokens, fresh and over
@@ -47,7 +47,7 @@ PROMPT_LENGTHS = (32, 64, 128, 256, 512)   # new tokens: up to one chunk at the 
 CONTEXT_TOKENS = (0, 512)                  # cached context before them: a fresh prompt, a later chunk
 ROUNDS = 3
 # SDPA must be this much faster: a clear win only, on machines whose timings are noisy (two
-# identical builds differed by 8-14% in one run on the shared Zen 3).
+# identical builds differed by about this margin in one run on a shared machine).
 NATIVE_MARGIN = 1.10
 # Largest tolerated max |out - reference| / max |reference|: float32 sums in another order; SDPA's
 # bfloat16 flash kernel rounds the softmax probabilities to bfloat16 (~2^-8 each) before P x V.

@@ -127,8 +127,9 @@ class Sampler:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Every row's argmax (int64 [rows]). Float32 CPU logits go to the C kernel
-    (kernels/csrc/sampling.c: torch.argmax's answer, ties and NaN included, in ~0.07 ms for 16 x
-    49,152 where torch's CPU argmax took 0.4-1 ms on the 2-core Zen 3); anything else to torch."""
+    (kernels/csrc/sampling.c: torch.argmax's answer, ties and NaN included, in a fraction of
+    torch's CPU argmax's time; docs/benchmarks.md, "Sampling a token on CPU"); anything else to
+    torch."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(-1) == 1 and cpu_native.load() is not None):
         return cpu_native.argmax_rows(logits)
@@ -140,8 +141,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     distribution: the first token whose cumulative probability reaches a uniform point in
     (0, row total]. A zero-probability token is a flat step of the cumulative sum, which the
     search never stops on. Not the exponential race vLLM uses on GPUs (argmax of probs over
-    Exp(1) noise): torch draws exponentials on CPU at ~0.5 ms per 49k-token row, 26 ms a step
-    for 16 sampled rows on the 2-core AVX2 EPYC (Zen 3), against 0.55 ms for this."""
+    Exp(1) noise): torch draws exponentials on CPU slowly for a 49k-token row, many times this
+    search's cost for a step's sampled rows (docs/benchmarks.md, "Sampling a token on CPU")."""
     cdf = probs.cumsum(dim=-1)
     uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
     points = (1.0 - uniform) * cdf[:, -1:]     # rand is in [0, 1): the point is never 0

@@ -50,10 +50,10 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def configure_cpu_threads(config: EngineConfig) -> int:
-    """One intra-op thread per core the process may use (the engine thread is one of them).
-    Measured on 2 cores: a 16-sequence decode step takes 144 ms on 1 thread, 92 ms on 2.
-    Triton's own threads and the adapter's sender need little CPU (< 3% of a core each at
-    16 streams), so they get no core of their own."""
+    """One intra-op thread per core the process may use (the engine thread is one of them):
+    measured on 2 cores, a 16-sequence decode step is much faster on 2 threads than on 1.
+    Triton's own threads and the adapter's sender need little CPU (a small fraction of a core
+    each at 16 streams), so they get no core of their own."""
     threads = config.cpu_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     return threads
@@ -63,10 +63,10 @@ def auto_dtype(device: torch.device, features: CpuFeatures | None = None) -> tup
     """``dtype=auto``: the weights' and KV cache's dtype on this device, and why.
 
     On CPU the rule is measured (docs/benchmarks.md, "dtype=auto on CPU"): bfloat16 where the
-    CPU computes it natively (AVX512_BF16 or AMX-BF16), where it served 1.3-1.5x float32's
-    output tokens/s on the 2-core AVX-512 BF16 EPYC; float32 elsewhere, where bfloat16 has no
-    arithmetic of its own: our kernels widen it to float32 (on the AVX2 Zen 3 that served
-    1.05-1.14x float32, still a choice, not the default: float32 is the oracle). Greedy
+    CPU computes it natively (AVX512_BF16 or AMX-BF16), where it served clearly more output
+    tokens/s than float32; float32 elsewhere, where bfloat16 has no arithmetic of its own: our
+    kernels widen it to float32 (with AVX2 only that served slightly more than float32, still a
+    choice, not the default: float32 is the oracle). Greedy
     tokens in bfloat16 differ from transformers' float32 after a while (the precision table);
     ``dtype=float32`` keeps the token-for-token oracle. ``features``: tests fake machines."""
     if device.type == "cuda":
@@ -245,7 +245,7 @@ class ModelRunner:
         """(key, value) per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         Left uninitialised: every kernel reads only the slots of a sequence's own tokens, which
         are written first (the kernel tests fill every other slot with NaN). Zeroing the default
-        1 GiB CPU cache took 2.7 s of a 2-core AVX2 CPU's start-up."""
+        1 GiB CPU cache is a noticeable part of a CPU start-up."""
         shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         return [(torch.empty(shape, dtype=self.dtype, device=self.device),
                  torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
@@ -344,7 +344,7 @@ class ModelRunner:
             drafts = spec_token_ids.get(request.request_id, ())
             if num_new == 1 and not drafts:
                 # One token (every decode): scalar writes. numpy's per-call overhead was most of a
-                # decode step's prepare: 0.26 -> 0.05 ms for 16 sequences on the 2-core Zen 3.
+                # decode step's prepare.
                 host["input_ids"][token] = request.token_ids[start]
                 host["positions"][token] = start
                 host["slot_mapping"][token] = blocks[start // bs] * bs + start % bs

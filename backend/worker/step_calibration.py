@@ -5,10 +5,9 @@ decode batches of several sizes and context depths, prefill chunks of several si
 several depths into a prompt (the attention term), and a prefill chunk beside decodes. The
 caller hands a ``run_step`` that computes one step of the given rows (forward pass and
 sampling, on throwaway requests); this module only chooses shapes and keeps time, so it
-never sees the engine. With SmolLM2-135M about 2 s on the 2-core AVX-512 EPYC and 7-8 s on the
-2-core AVX2 one (Zen 3), once per machine, model and code: later starts read the samples from
-the timing cache (backend/worker/timing_cache.py). The engine's own step timings refine the fit
-from then on.
+never sees the engine. It is a noticeable part of a CPU start-up, once per machine, model and
+code: later starts read the samples from the timing cache (backend/worker/timing_cache.py). The
+engine's own step timings refine the fit from then on.
 """
 
 from __future__ import annotations

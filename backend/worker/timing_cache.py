@@ -1,7 +1,7 @@
 """Step-cost calibrations kept on disk, so that a restart on the same machine skips them.
 
 The engine's start-up calibration (backend/worker/step_calibration.py) times ~16 synthetic
-steps: 7-9 s on a 2-core AVX2 CPU, paid again at every start, every stub restart and every
+steps, a noticeable part of a CPU start-up, paid again at every start, every stub restart and every
 replica a supervisor brings back. Like TensorRT's timing cache, the timed samples are stored
 under a key of everything that decides how long a step takes: the machine (CPU model and
 flags, or the GPU), the threads, the model's config.json and dtype, the paths the runner

@@ -2,10 +2,10 @@
  * layer loop (CausalLM._decoder_fused in backend/model/llama.py, the reference this is tested
  * against) calls, in the same order with the same arguments, so the results are the same bits.
  *
- * Why: the Python loop spends ~250 us a layer between the kernels (module calls, argument
- * checks, ~12 ctypes calls, output allocations): 7.3 of the 61 ms the 30 layers of a 16-sequence
- * bfloat16 decode step took on the 2-core Zen 3 (docs/benchmarks.md, "The decoder layers in one
- * C call"). Here that is one ctypes call a step.
+ * Why: the Python loop costs time between the kernels of every layer (module calls, argument
+ * checks, ~12 ctypes calls, output allocations): a noticeable share of what the 30 layers of a
+ * 16-sequence bfloat16 decode step take (docs/benchmarks.md, "The decoder layers in one C
+ * call"). Here that is one ctypes call a step.
  *
  * Per layer, for float32 or bfloat16 (all of a model's tensors one dtype; biases float32):
  *   qkv = x Wqkv^T (+ b); RoPE on q, k and the K/V cache write; q copied out contiguous;

@@ -1,11 +1,11 @@
 /* The small per-layer ops of a decoder step, fused, float32 or bfloat16, for CPU.
  *
  * Why: at serving batch sizes each of these touches a few tens of KB, so as torch ops they
- * cost their dispatch and thread fork/join (~50 us for an rms_norm of 16 x 576), not their
- * arithmetic; a 16-sequence SmolLM2 step spent ~8 ms in them. Each function here does in
- * one single-threaded pass what took 2-6 torch ops. The references they are tested against
- * are torch code: RMSNorm and apply_rope in backend/model.py, reshape_and_cache_reference in
- * kernels/reference.py (tests/test_layer_ops.py).
+ * cost their dispatch and thread fork/join (even an rms_norm of 16 x 576), not their
+ * arithmetic; a 16-sequence SmolLM2 step spent a noticeable share of its time in them. Each
+ * function here does in one single-threaded pass what took 2-6 torch ops. The references
+ * they are tested against are torch code: RMSNorm and apply_rope in backend/model.py,
+ * reshape_and_cache_reference in kernels/reference.py (tests/test_layer_ops.py).
  *
  * The bfloat16 versions round where the torch ops they replace round (each bfloat16 op of
  * torch computes in float32 and rounds its result to nearest even): the residual add, the

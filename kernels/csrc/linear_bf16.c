@@ -2,10 +2,9 @@
  * (bfloat16 out, linear_bf16) and its LM head (float32 out, linear_bf16_f32).
  *
  * Why our own: at the row counts a decode step runs (1-64), oneDNN's prepacked bfloat16 matmul
- * reached ~20 GB/s of weights (10.2 ms for SmolLM2's 121 matmuls at 16 rows on a 2-core
- * AVX-512 BF16 EPYC) where the machine reads ~50; this kernel streams the weights with a
- * prefetch ahead of the dot products and does them in ~7 ms (docs/benchmarks.md, "CPU linear
- * layers by ISA and dtype").
+ * read the weights well below the memory's bandwidth (SmolLM2's 121 matmuls at 16 rows); this
+ * kernel streams the weights with a prefetch ahead of the dot products and does them in less
+ * time (docs/benchmarks.md, "CPU linear layers by ISA and dtype").
  *
  * Why a float32-out head: logits rounded to bfloat16 (8 significant bits: steps of 0.125 at 20)
  * tie and reorder the top tokens; transformers' float32 greedy choice was kept for 7 of 12 test
@@ -21,16 +20,16 @@
  * with one accumulator per row. Beyond, a tile is MR rows x NP panels (8 x 48 columns): 24
  * accumulators, and per pair of k 3 weight loads and 8 broadcasts for 24 dot products, so the
  * loads keep up with the arithmetic; later row tiles read the panels from cache. (Measured on
- * the model's projections: at 16 rows 8.0 ms one tile x 1 panel, 8.8 ms tiles of 8 x 3; at 64
- * rows 22.5 ms 8 x 3, 28.1 ms 16 x 1, whose 17 loads per 16 dot products then bound it.)
+ * the model's projections: at 16 rows one tile x 1 panel beat tiles of 8 x 3; at 64 rows 8 x 3
+ * beat 16 x 1, whose 17 loads per 16 dot products then bound it.)
  * Groups of panels are shared out to OpenMP threads (torch's pool) in contiguous ranges, so each
  * thread streams one stretch of the packed weight; the first row tile of a group prefetches
- * PREFETCH_LINES cache lines ahead in each panel (16 rows, 8 x 3 tiles: 8.6 -> 7.1 ms; the
+ * PREFETCH_LINES cache lines ahead in each panel (faster at 16 rows in 8 x 3 tiles; the
  * hardware prefetcher alone does not keep three streams per core ahead). The distance covers the
  * memory latency at 16 rows, where a line of a panel (one pair of k) feeds 16 dot products, ~10
- * cycles: on the 2-core AVX512_BF16 EPYC the model's 121 matmuls at 16 rows took 7.9 ms 16 lines
- * ahead, 6.9 at 48, 6.6 at 64 and at 96; at 1 row 5.7-5.9 ms (the memory's pace) at every distance
- * (docs/benchmarks.md, "bfloat16: our AVX512_BF16 kernel").
+ * cycles: at 16 rows the model's 121 matmuls got faster from 16 lines ahead to 64, and no faster
+ * at 96; at 1 row they ran at the memory's pace at every distance (docs/benchmarks.md, "bfloat16:
+ * our AVX512_BF16 kernel").
  * Accumulation is float32 over the whole k loop; a bfloat16 output is rounded once, to nearest
  * even. x is read in pairs, so k must be even (the caller checks; every hidden size in use is).
  *
@@ -285,9 +284,9 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 
 #endif
 
-/* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a Xeon with AMX the
- * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls:
- * 32.8 ms on 2 cores, where one row takes 14.0 ms, the memory's pace; docs/benchmarks.md, "Served
+/* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a CPU with AMX the
+ * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls took
+ * far longer than at one row, which runs at the memory's pace; docs/benchmarks.md, "Served
  * on the Xeon with AMX"). One TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 columns of W:
  * 8,192 products, against a dot product's 32.
  * The packed weight needs no layout of its own: 16 consecutive pairs of a panel, [16 pairs][16

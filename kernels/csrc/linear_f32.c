@@ -1,8 +1,8 @@
 /* y = x @ W.T (+ bias), float32, for CPU: the engine's linear layers.
  *
  * Why our own: at the row counts a serving step has (one row per decoding sequence, tens of
- * rows) oneDNN and MKL reached 40-60% of this CPU's FMA peak; this kernel reaches ~1.4x their
- * speed on a whole decoder's projections at 16 rows and streams the weights at DRAM
+ * rows) oneDNN and MKL stayed well below the CPU's FMA peak; this kernel is faster than both
+ * on a whole decoder's projections at 16 rows and streams the weights at DRAM
  * bandwidth for a single row (docs/benchmarks.md). ``backend/cpu_linear.py`` keeps F.linear
  * as the reference it is tested against.
  *
@@ -15,7 +15,7 @@
  * blocks of KB and every row tile runs over a block before the next block starts (the tiles'
  * sums wait in an L1 scratch between blocks): the first tile reads the block from memory, the
  * others from L1, and the second requests the next block's lines, so the weights stream during
- * the whole panel's compute, not during the first tile only (1.1-1.2x at 8-32 rows over
+ * the whole panel's compute, not during the first tile only (faster at 8-32 rows than
  * whole-k tiles, docs/benchmarks.md). Rows are taken MC at a time so that a long prefill's rows stay in cache
  * while the weights stream past. Accumulation is sequential in k with FMA: float32 throughout,
  * like F.linear up to summation order.
@@ -35,8 +35,8 @@
 #ifndef KB
 #define KB 64
 #endif
-/* Up to this many rows a panel's k goes in blocks (decode steps: 1.1-1.2x at 8-32 rows); more
- * rows (prefill) run whole-k tiles, which measured as fast or up to ~5% faster at 512. */
+/* Up to this many rows a panel's k goes in blocks (decode steps: faster at 8-32 rows); more
+ * rows (prefill) run whole-k tiles, which measured as fast or slightly faster at 512. */
 #ifndef BLOCK_MAX_ROWS
 #define BLOCK_MAX_ROWS 32
 #endif
@@ -133,7 +133,7 @@ int linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
         /* guided: large contiguous runs of panels first (as fast as static here), smaller ones at
          * the end, so that a thread the OS preempts (a served step shares 2 cores with Triton's
          * and the client's threads) does not leave the other waiting at the barrier; dynamic
-         * chunks of 1-8 panels measured 7-30% slower. nowait: row blocks write disjoint rows,
+         * chunks of 1-8 panels measured slower. nowait: row blocks write disjoint rows,
          * so a thread may start the next one early. */
 #pragma omp for schedule(guided) nowait
         for (int64_t p = 0; p < panels; ++p) {

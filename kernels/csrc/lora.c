@@ -3,7 +3,7 @@
  * lora_expand_reference in kernels/reference.py).
  *
  * Why: as torch ops a step's LoRA took 3 calls per projection (every row against every
- * resident adapter's A, a mask, one expand), 360 calls a SmolLM2 step, ~10 ms of a 30 ms
+ * resident adapter's A, a mask, one expand), 360 calls a SmolLM2 step, a large share of a
  * 16-stream decode step with 4 adapters. Here one call per projection does both halves for
  * each row against its own adapter only, keeping the rank-sized intermediate in float32.
  *

@@ -23,20 +23,20 @@
  *
  * The bfloat16 q.k product has AVX-512F and AVX2 versions (whichever the compiler targets,
  * -march=native) and a plain C loop for anything else and for head_dim tails. With gcc's
- * own vectorisation of that loop instead, the whole bfloat16 kernel took 1.3-1.6x as long on
- * the 2-core AVX-512 EPYC measured; the AVX2 version is within ~5% of the AVX-512 one there.
+ * own vectorisation of that loop instead, the whole bfloat16 kernel took clearly longer; the
+ * AVX2 version measured close to the AVX-512 one.
  * Where the compiler targets AVX512_BF16 (the CPUs where dtype=auto picks bfloat16) and
  * head_dim is 32, 64 or 128, bfloat16 decode takes attend_sequence_dp below instead: dot
  * products on the bfloat16 values as stored, 16 tokens' sums reduced at once and the V rows of
- * a GQA group widened once (~2.8x this path's speed with the cache in L3, ~1.3x from DRAM).
- * Swapping _mm512_dpbf16_ps into this path alone had measured ~3% faster: the per-score
- * horizontal sums and per-head re-reads, not the products, were the cost.
+ * a GQA group widened once (much faster than this path with the cache in L3, less so from
+ * DRAM). Swapping _mm512_dpbf16_ps into this path alone had measured only slightly faster:
+ * the per-score horizontal sums and per-head re-reads, not the products, were the cost.
  * Every build with AVX2 + FMA (AVX-512 ones too, where the dot-product path does not apply)
  * takes attend_sequence_avx2 instead, both dtypes, where head_dim is a
  * multiple of 8: 8 tokens' scores reduced at once and outputs kept in registers over the tokens
- * (on the 2-core Zen 3 EPYC, 1.4-1.5x attend_sequence in float32 and 1.6-1.8x in bfloat16 with
- * the cache in L3; streaming 30 layers' caches from DRAM, 1.24x in bfloat16 and no change in
- * float32, which is held by the memory side: docs/benchmarks.md).
+ * (faster than attend_sequence in both dtypes with the cache in L3; streaming 30 layers' caches
+ * from DRAM, faster in bfloat16 and no change in float32, which is held by the memory side:
+ * docs/benchmarks.md).
  * attention_path() says which function a build runs.
  */
 #include <math.h>
@@ -53,8 +53,9 @@
 /* Builds with AVX2 + FMA have decode and prefill functions of their own; a build with
  * -DLLM_GENERIC_ATTENTION keeps only the generic ones (benchmarks/cpu_attention.py compares the
  * two builds). AVX-512 builds take them too, for float32 and for bfloat16 without AVX512_BF16:
- * on a 2-core Xeon with AVX-512 (2026-11-26) their prefill ran 2.5-2.7x the generic function's
- * 512-bit code, decode 1.04-1.05x in float32 and 0.93x in bfloat16 (docs/benchmarks.md).
+ * on a CPU with AVX-512 their prefill ran well ahead of the generic function's 512-bit code,
+ * and their decode about even with it (a little ahead in float32, a little behind in
+ * bfloat16; docs/benchmarks.md).
  * attention_path() below is the one rule for which function runs. */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(LLM_GENERIC_ATTENTION)
 #define AVX2_ATTENTION 1
@@ -65,8 +66,8 @@
 /* How far ahead of the token being read its K or V row is prefetched. A sequence's blocks
  * can sit anywhere in the cache (they do once a server has freed and reused blocks for a
  * while), and the hardware prefetcher loses the stream at every block boundary: with
- * scattered blocks, asking for the row 8 tokens ahead made the kernel ~1.8x faster at
- * 300-1000-token contexts on the machine measured (4, 8 and 16 within noise of each other);
+ * scattered blocks, asking for the row 8 tokens ahead made the kernel much faster at
+ * 300-1000-token contexts (4, 8 and 16 within noise of each other);
  * with consecutive blocks it changes nothing. */
 #define PREFETCH_TOKENS 8
 
@@ -76,7 +77,7 @@ static inline __attribute__((always_inline)) void widen(const bf16_t *restrict s
 }
 
 /* Forced inline (as dot_bf16, widen and attend_sequence): with both dtypes in one
- * attend_sequence gcc stopped inlining it, and a call per token and head cost ~8%. */
+ * attend_sequence gcc stopped inlining it, and a call per token and head cost noticeably. */
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -142,8 +143,8 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
     for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(_mm512_loadu_ps(s + t), vmax);
     max = _mm512_reduce_max_ps(vmax);
 #elif defined(__AVX2__) && defined(__FMA__)
-    /* The same in 8 lanes: the scalar loop is one dependent compare a score (~4% of a decode
-     * call at 512-token contexts on Zen 3). */
+    /* The same in 8 lanes: the scalar loop is one dependent compare a score (a measurable
+     * share of a decode call at 512-token contexts). */
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + t), vmax);
     float lane_max[8];
@@ -288,9 +289,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
 #if AVX2_ATTENTION
 /* ---- decode on AVX2 + FMA builds (float32 or bfloat16 pages, head_dim a multiple of 8) ----------
  *
- * attend_sequence on the 2-core AVX2 EPYC (Zen 3) took ~32 ms of a 105 ms float32 decode step
- * (16 sequences of ~512 tokens): per token and head, a gcc-vectorised dot product ending in a
- * horizontal sum, then an output row loaded and stored again for every token. Here:
+ * attend_sequence took a large share of a float32 decode step (16 sequences of ~512 tokens):
+ * per token and head, a gcc-vectorised dot product ending in a horizontal sum, then an output
+ * row loaded and stored again for every token. Here:
  *   - scores: K read row by row in memory order, each chunk of a KV head loaded once for the
  *     heads of its group; 8 tokens' lanes per head, then one transpose-and-add gives the 8
  *     scores in one vector (reduce_8; decode_scores_avx2 says why in this order);
@@ -349,10 +350,10 @@ static inline __attribute__((always_inline)) void scores_chunk(
  * scores. The version before walked 8 rows at once, head by head (the query loaded once for
  * them, the lanes summed in registers): per token it touched the row's first 256 bytes, then
  * the next 8 rows' first 256, and only later the rest, which kept the memory from streaming:
- * from DRAM it read K at ~11 GB/s where a plain read of the same rows reaches ~21 (2-core Zen 3,
- * 16 sequences x ~650 tokens x 30 layers, blocks scattered). Read row by row it reaches
- * ~17-21 GB/s; in cache it is ~25% slower (more loads of q), where attention is a small
- * share of a step (docs/benchmarks.md, "Decode attention reading K row by row"). */
+ * from DRAM it read K well below the pace of a plain read of the same rows (16 sequences x
+ * ~650 tokens x 30 layers, blocks scattered). Read row by row it comes close to that pace; in
+ * cache it is slower (more loads of q), where attention is a small share of a step
+ * (docs/benchmarks.md, "Decode attention reading K row by row"). */
 static inline __attribute__((always_inline)) void decode_scores_avx2(
         const float *restrict q, const int64_t *restrict offsets, int64_t seq_len, const void *key_cache, int is_bf16,
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, float *restrict scores,
@@ -416,7 +417,7 @@ static inline __attribute__((always_inline)) void decode_values_avx2(
         /* The weights first, then one V vector at a time: 12 accumulators + 3 weights + 1 V
          * vector are the 16 registers. Holding the 4 V vectors instead needs 17, and gcc then
          * kept an accumulator on the stack: a store and reload on every token's critical path
-         * (~14% of a decode call at 512 tokens on Zen 3). */
+         * (a noticeable share of a decode call at 512 tokens). */
         __m256 p[DECODE_HEADS];
         _Pragma("GCC unroll 3") for (int i = 0; i < nh; ++i) p[i] = _mm256_broadcast_ss(scores + (h0 + i) * seq_len + t);
         _Pragma("GCC unroll 4") for (int j = 0; j < nv; ++j) {
@@ -480,8 +481,8 @@ static inline __attribute__((always_inline)) void attend_sequence_avx2(
 #define SCORE_CHUNK 16        /* tokens scored together: one vector of results */
 /* Prefetch distances, in chunks for K and tokens for V. 16-token blocks scattered over the cache
  * (as a server's are once blocks are freed and reused) defeat the hardware prefetcher; these
- * were the best of 1-8 chunks and 16-128 tokens (and of L2 or non-temporal hints) on the 2-core
- * AVX512_BF16 EPYC, all within ~5% of each other but for no V prefetch (~10% slower). */
+ * were the best of 1-8 chunks and 16-128 tokens (and of L2 or non-temporal hints), all close to
+ * each other but for no V prefetch (slower). */
 #define PREFETCH_K_CHUNKS 2
 #define PREFETCH_V_TOKENS 32
 
@@ -523,7 +524,7 @@ static inline __attribute__((always_inline)) void scores_dp(
                 __builtin_prefetch(row + byte);
         }
         /* The heads below read a row 128 bytes at a time, KV head after KV head; copying the
-         * chunk's rows first, in address order, made the K pass ~10% faster (the same copy of
+         * chunk's rows first, in address order, made the K pass faster (the same copy of
          * V rows for the V pass measured no gain). */
         for (int64_t i = 0; i < n; ++i)
             memcpy(chunk + i * token_stride, key_cache + offsets[t0 + i], sizeof(bf16_t) * token_stride);
@@ -757,8 +758,8 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
  * multiply-adds over 16 lanes, no horizontal sums; a running max and sum per row rescale
  * the row's output as each block arrives (online softmax), and key blocks past the tile's
  * last query are never read (causal). torch's CPU flash attention, which this replaces,
- * needed float32 copies of the gathered K/V and ~3.5 ms per layer for a 512-token prompt
- * on the 2-core AVX-512 EPYC. The inner loops are plain C that gcc vectorises for the
+ * needed float32 copies of the gathered K/V and took longer per layer for a 512-token
+ * prompt. The inner loops are plain C that gcc vectorises for the
  * compiled ISA; exp is exp_ps512 / exp_ps256 above where there is one. prefill_task is the generic version
  * (builds without AVX2 + FMA, and odd head sizes); AVX2 + FMA builds take prefill_task_lanes
  * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); attention_path() says which one a
@@ -880,10 +881,10 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
 
 #if AVX2_ATTENTION
 /* prefill_task for AVX2 + FMA builds, float32 or bfloat16 pages, head_dim a multiple of 8
- * (attention_path). On the 2-core AVX2 EPYC (Zen 3) prefill_task reached ~45 GFLOP/s on two
- * threads, a quarter of the FMA peak: its 8 rows x 16 keys of scores need all 16 ymm registers
- * as accumulators (gcc spilled them each step of d), and its online softmax is scalar, row by
- * row. Here the rows of a task lie across the 8 lanes of a vector instead:
+ * (attention_path). prefill_task reached a small fraction of the FMA peak on two threads: its
+ * 8 rows x 16 keys of scores need all 16 ymm registers as accumulators (gcc spilled them each
+ * step of d), and its online softmax is scalar, row by row. Here the rows of a task lie across
+ * the 8 lanes of a vector instead:
  *   - the scaled queries are transposed once per task into [row group][head_dim][8 rows]; two
  *     row groups' scores for 4 keys are 8 accumulators, each step of d two query vector
  *     loads, 4 broadcasts of K and 8 multiply-adds (K as stored, widened to float32 per block);
@@ -893,10 +894,10 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
  *   - P x V runs four rows at a time over 16 columns: 8 accumulators, each V vector loaded
  *     once for the four rows, each probability a broadcast.
  * Zen 3 issues at most two broadcasts a cycle: one per multiply-add (a group x 8 keys, or two
- * rows x 32 columns) left the FMA units idle more often: that first version of this path
- * reached 81 GFLOP/s (float32, 2 threads, 512-token prompt), this one 92-118. Same
- * flash-attention walk as prefill_task (tasks, key blocks of 16, causal skip), and ~2x its
- * speed on a 512-token prompt (docs/benchmarks.md, "Prefill against the compute roofline"). */
+ * rows x 32 columns) left the FMA units idle more often: that first version of this path was
+ * slower than this one (float32, 2 threads, 512-token prompt). Same flash-attention walk as
+ * prefill_task (tasks, key blocks of 16, causal skip), and much faster than it on a 512-token
+ * prompt (docs/benchmarks.md, "Prefill against the compute roofline"). */
 #define LANES 8
 #define SCORE_KEYS 4          /* keys whose scores accumulate together, for two row groups: 8 chains */
 #define VALUE_VECTORS 2       /* 16 columns of four rows' outputs: 8 accumulators */
@@ -1081,7 +1082,7 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* prefill_task for bfloat16 where the compiler targets AVX512_BF16 and head_dim is 32, 64 or 128
- * (dp_path_fits). prefill_task spent ~3 of every 4 cycles outside its multiply-adds, mostly on
+ * (dp_path_fits). prefill_task spent most of its cycles outside its multiply-adds, mostly on
  * per-row scalar bookkeeping (masking, block max and sum, expf of the correction) and on
  * widening K and V element by element. Here, for the same tasks and key blocks:
  *   - K is transposed as 32-bit pairs into [head_dim / 2][16 keys], the operand layout of

@@ -1,9 +1,10 @@
 /* Greedy sampling on CPU: the argmax of each row of float32 logits.
  *
  * Why: torch's CPU argmax reads a row one element at a time; over a decode step's logits (16
- * rows x 49,152 tokens, 3 MB) it took 0.4-1 ms on the 2-core AVX2 EPYC (Zen 3), where torch's
- * amax of the same rows took ~0.06 ms and this ~0.07. Here each row is two vector passes: its maximum, then
- * the first position holding it (the second pass stops there, usually early in the row).
+ * rows x 49,152 tokens, 3 MB) it took many times as long as torch's amax of the same rows,
+ * which this about matches (docs/benchmarks.md, "Sampling a token on CPU"). Here each row is two
+ * vector passes: its maximum, then the first position holding it (the second pass stops there,
+ * usually early in the row).
  *
  * The answer is torch.argmax's, which the tests check it against (tests/test_sampler.py):
  * the first index of the maximum; a row holding NaN answers its first NaN (torch treats NaN

@@ -6,8 +6,8 @@
 
 /* exp(x) on a vector, x <= 0 (softmax inputs after the max is subtracted): x = n ln2 + r,
  * |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial, times 2^n. Within 2 ulp of expf
- * (tests/test_cpu_attention.py checks the kernel against torch). Scalar expf was ~40% of
- * the kernel at 650-token contexts. */
+ * (tests/test_cpu_attention.py checks the kernel against torch). Scalar expf was a large share
+ * of the kernel at 650-token contexts. */
 #define EXP_LOWEST -87.3f   /* below it exp underflows float32; clamped so 2^n stays finite */
 #if defined(__AVX512F__)
 static inline __m512 exp_ps512(__m512 x) {
