@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "EngineConfig": "backend.config",
     "Engine": "backend.engine.engine",
-    "EngineStats": "backend.engine.engine",
+    "EngineStats": "backend.engine.stats",
     "EngineLoop": "backend.engine.loop",
     "EngineUnhealthyError": "backend.errors",
     "InvalidRequestError": "backend.errors",
@@ -26,7 +26,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from backend.config import EngineConfig
-    from backend.engine.engine import Engine, EngineStats
+    from backend.engine.engine import Engine
+    from backend.engine.stats import EngineStats
     from backend.engine.loop import EngineLoop
     from backend.errors import EngineUnhealthyError, InvalidRequestError, QueueFullError, ShuttingDownError
     from backend.outputs import FinishReason, RequestOutput

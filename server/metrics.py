@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Any
 
-from backend.engine.engine import EngineStats
+from backend.engine.stats import EngineStats
 from backend.engine.loop import LatencySample
 from server.ready import READY_FAMILY
 

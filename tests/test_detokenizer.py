@@ -239,7 +239,7 @@ def test_the_engine_loads_the_tokenizer_autotokenizer_loads(tokenizer: Any) -> N
     the tokenizer it gets must be AutoTokenizer's in every respect the engine uses."""
     from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
 
-    from backend.engine.engine import PLAIN_TOKENIZER_MODEL_TYPES, load_tokenizer, loads_tokenizer_directly
+    from backend.engine.tokenizer import PLAIN_TOKENIZER_MODEL_TYPES, load_tokenizer, loads_tokenizer_directly
 
     assert not PLAIN_TOKENIZER_MODEL_TYPES & set(MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
     assert loads_tokenizer_directly(str(MODEL_DIR))
@@ -258,7 +258,7 @@ def test_the_engine_loads_the_tokenizer_autotokenizer_loads(tokenizer: Any) -> N
 
 
 def test_other_tokenizers_go_through_autotokenizer(tmp_path: Path) -> None:
-    from backend.engine.engine import loads_tokenizer_directly
+    from backend.engine.tokenizer import loads_tokenizer_directly
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         (tmp_path / name).write_bytes((MODEL_DIR / name).read_bytes())

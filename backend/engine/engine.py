@@ -7,11 +7,9 @@ The serving layer runs it on its own thread (see ``backend.engine.loop``).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, replace
 from typing import Any, Sequence
 
 from backend.config import EngineConfig
@@ -21,9 +19,10 @@ from backend.core.kv_cache_utils import cdiv
 from backend.core.scheduler import Scheduler, SchedulerOutput
 from backend.core.step_cost import StepCostModel
 from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.stats import EngineStats, StepRecord, count_loras
+from backend.engine.tokenizer import eos_token_ids, load_tokenizer
 from backend.engine.validation import Prompt, RequestValidator
 from backend.lora.registry import LoRARegistry
-from backend.model.registry import FAMILIES
 from backend.errors import InvalidRequestError, QueueFullError, is_device_error
 from backend.model.architecture import ModelArchitecture
 from backend.outputs import FinishReason, Logprob, RequestOutput
@@ -43,112 +42,6 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
-@dataclass
-class StepRecord:
-    """One step as the loop's step trace and metrics see it."""
-    measured_s: float                  # Engine.step, schedule to outputs
-    predicted_s: float | None          # the cost model's prediction (None without one)
-    prediction_error: float | None     # |predicted - measured| / measured
-    # request id -> (tokens computed, whether they were prompt tokens); filled only when the
-    # step trace is on (EngineConfig.step_trace_path).
-    rows: dict[str, tuple[int, bool]]
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_cached: int            # blocks registered in the prefix cache (in use or revivable)
-    kv_usage: float                  # fraction of blocks referenced by live requests
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
-    num_steps: int
-    prompt_tokens_total: int         # prompt tokens computed (prefill work, after cache hits)
-    generation_tokens_total: int     # tokens generated
-    # Speculative decoding: drafts verified, drafts accepted, tokens emitted by steps that had
-    # drafts (accepted + one each), and how many (request, step) verifications there were.
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_emitted_tokens: int = 0
-    spec_verifications: int = 0
-    health_error: str | None = None  # why the engine is unhealthy (Engine.health_error); None = healthy
-    # LoRA: requests per adapter name, running and waiting, and how many adapters may run at once
-    lora_running: dict[str, int] = field(default_factory=dict)
-    lora_waiting: dict[str, int] = field(default_factory=dict)
-    max_loras: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Accepted / drafted (0 before any draft)."""
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens emitted per request and step that verified drafts (1 = no draft accepted)."""
-        return self.spec_emitted_tokens / self.spec_verifications if self.spec_verifications else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "spec_acceptance_rate": self.spec_acceptance_rate,
-                "spec_mean_accepted_length": self.spec_mean_accepted_length}
-
-
-def _count_loras(requests: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for request in requests:
-        if request.lora is not None:
-            counts[request.lora.name] = counts.get(request.lora.name, 0) + 1
-    return counts
-
-
-# Model types whose tokenizer, when tokenizer_config.json names the generic class, is exactly
-# tokenizer.json: AutoTokenizer would pick TokenizersBackend for them too (transformers keeps a
-# list of model types whose Hub tokenizer class it overrides; tests/test_detokenizer.py checks
-# that none of these is on it and that both paths tokenize alike). The registry says which.
-PLAIN_TOKENIZER_MODEL_TYPES = frozenset(t for t, family in FAMILIES.items() if family.plain_tokenizer)
-_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-
-
-def loads_tokenizer_directly(folder: str) -> bool:
-    """Whether ``load_tokenizer`` can skip AutoTokenizer: a plain tokenizer.json of a model type
-    AutoTokenizer would not remap, and no custom code."""
-    root = Path(folder)
-    try:
-        tokenizer_config = json.loads((root / "tokenizer_config.json").read_text())
-        model_type = json.loads((root / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False
-    return (tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
-            and "auto_map" not in tokenizer_config and model_type in PLAIN_TOKENIZER_MODEL_TYPES
-            and (root / "tokenizer.json").is_file())
-
-
-def load_tokenizer(folder: str) -> Any:
-    """The folder's tokenizer, as AutoTokenizer loads it. AutoTokenizer first resolves the
-    model's config class, which imports most of transformers: a large part of every server
-    start, against a small fraction of it for loading tokenizer.json directly where that is
-    what AutoTokenizer would do anyway."""
-    if loads_tokenizer_directly(folder):
-        from transformers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def _eos_token_ids(folder: str, tokenizer: Any) -> frozenset[int]:
-    path = Path(folder) / "generation_config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, list) else [eos])
-
-
 class Engine:
     def __init__(self, config: EngineConfig, cost_model: StepCostModel | None = None) -> None:
         """``cost_model``: the step-time predictor for ``itl_target_ms`` (default: fitted from a
@@ -156,7 +49,7 @@ class Engine:
         self.config = config
         self.arch = ModelArchitecture.from_folder(config.model)
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.runner = ModelRunner(config, self.arch)
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -547,8 +440,8 @@ class Engine:
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            health_error=self.health_error, lora_running=_count_loras(self.scheduler.running),
-            lora_waiting=_count_loras(self.scheduler.waiting), max_loras=self.config.max_loras, **self.spec_counts)
+            health_error=self.health_error, lora_running=count_loras(self.scheduler.running),
+            lora_waiting=count_loras(self.scheduler.waiting), max_loras=self.config.max_loras, **self.spec_counts)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent."""

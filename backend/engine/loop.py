@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backend.config import EngineConfig
-from backend.engine.engine import Engine, EngineStats, load_tokenizer
+from backend.engine.engine import Engine
+from backend.engine.stats import EngineStats
+from backend.engine.tokenizer import load_tokenizer
 from backend.engine.parallel_sampling import ParallelOutput, ParentRequest, child_params
 from backend.engine.validation import Prompt, ValidatedPrompt
 from backend.errors import EngineUnhealthyError, QueueFullError, ShuttingDownError
