@@ -14,7 +14,7 @@ import torch
 
 from backend import Engine, EngineConfig
 from backend.core.step_cost import Sample
-from backend.engine import engine as engine_module
+from backend.worker import step_calibration
 from backend.worker import timing_cache
 from backend.worker.timing_cache import TimingCache
 from tests.test_tiny_architectures import make_tiny_model
@@ -43,13 +43,13 @@ def cache_dir(tmp_path: Path, monkeypatch) -> Path:
 def calibrations(monkeypatch) -> list[int]:
     """How many calibrations ran (each appends its number of shapes)."""
     ran: list[int] = []
-    real = engine_module.calibrate
+    real = step_calibration.calibrate
 
     def counting(run_step, shapes, *args, **kwargs):
         ran.append(len(shapes))
         return real(run_step, shapes, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "calibrate", counting)
+    monkeypatch.setattr(step_calibration, "calibrate", counting)
     return ran
 
 

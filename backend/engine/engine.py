@@ -9,13 +9,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.request import Request, RequestStatus
-from backend.core.kv_cache_utils import cdiv
 from backend.core.scheduler import Scheduler, SchedulerOutput
 from backend.core.step_cost import StepCostModel
 from backend.engine.detokenizer import IncrementalDetokenizer
@@ -31,8 +30,7 @@ from backend.sample.grammar import GrammarService
 from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
 from backend.worker.model_runner import ModelRunner
-from backend.worker.step_calibration import CalibrationRow, calibrate, calibration_shapes
-from backend.worker.timing_cache import TimingCache
+from backend.worker.step_calibration import fit_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -206,45 +204,9 @@ class Engine:
         return outputs
 
     def _calibrate_step_cost(self) -> tuple[StepCostModel, str]:
-        """Fit the step cost model from synthetic steps timed now (backend/worker/
-        step_calibration.py): throwaway greedy requests whose K/V go to the first blocks of the
-        cache, which nothing uses yet (nor is any of them in the prefix cache). Unless an
-        earlier start timed the same steps on this machine, model and code: then its samples
-        (backend/worker/timing_cache.py). Returns the model and where its samples came from."""
-        block_size = self.config.block_size
-        max_context = min(self.max_model_len, self.runner.num_blocks * block_size)
-        shapes = calibration_shapes(self.config.max_num_batched_tokens, self.config.max_num_seqs, max_context)
-        greedy = SamplingParams(temperature=0.0, max_tokens=1)
-
-        def run_step(shape: list[CalibrationRow]) -> None:
-            requests, num_scheduled, block_ids = [], {}, {}
-            for i, row in enumerate(shape):
-                length = row.num_computed + row.num_new + (0 if row.samples else 1)
-                request = Request(request_id=f"calibration-{i}", prompt_token_ids=[0] * length, sampling_params=greedy,
-                                  arrival_seq=-1, arrival_time=0.0, max_tokens=1, eos_token_ids=frozenset())
-                request.num_computed_tokens = row.num_computed
-                requests.append(request)
-                num_scheduled[request.request_id] = row.num_new
-                block_ids[request.request_id] = list(range(cdiv(row.num_computed + row.num_new, block_size)))
-            input_ids, meta, sampling = self.runner.prepare(requests, num_scheduled, block_ids)
-            logits = self.runner.execute(input_ids, meta)
-            if sampling:
-                self.sampler(logits, sampling, [[] for _ in sampling])
-            self.runner.synchronize()
-
-        started = time.perf_counter()
-        cache = TimingCache() if self.config.calibration_cache else None
-        key = {"runner": self.runner.timing_signature(), "shapes": [[asdict(row) for row in shape] for shape in shapes]}
-        samples = cache.load(key) if cache is not None else None
-        source = "read from the calibration cache"
-        if samples is None:
-            samples, source = calibrate(run_step, shapes), "timed now"
-            if cache is not None:
-                cache.store(key, samples)
-        model = StepCostModel.fitted(samples)
-        logger.info("step cost model from %d calibration steps, %s, in %.1f s: %s", len(shapes), source,
-                    time.perf_counter() - started, model.describe())
-        return model, source
+        """The step cost model fitted at start-up (the worker side times it:
+        backend/worker/step_calibration.py), and where its samples came from."""
+        return fit_step_cost(self.runner, self.sampler, self.config, self.max_model_len)
 
     def _count_speculation(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """The counter and blocks of a request that verified drafts: only accepted ones count."""

@@ -12,11 +12,22 @@ engine's own step timings refine the fit from then on.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-from backend.core.step_cost import ZERO, Sample, add, row_features
+from backend.core.kv_cache_utils import cdiv
+from backend.core.request import Request
+from backend.core.step_cost import ZERO, Sample, StepCostModel, add, row_features
+from backend.sampling_params import SamplingParams
+from backend.worker.timing_cache import TimingCache
+
+if TYPE_CHECKING:
+    from backend.config import EngineConfig
+    from backend.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,3 +87,46 @@ def calibrate(run_step: Callable[[Shape], None], shapes: list[Shape], warmup: in
         run_step(shape)
         samples.append(Sample(features_of(shape), time.perf_counter() - start))   # type: ignore[arg-type]
     return samples
+
+
+def fit_step_cost(runner: "ModelRunner", sampler: Any, config: "EngineConfig",
+                  max_model_len: int) -> tuple[StepCostModel, str]:
+    """Fit the step cost model from synthetic steps timed now: throwaway greedy requests whose
+    K/V go to the first blocks of the cache, which nothing uses yet (nor is any of them in the
+    prefix cache). Unless an earlier start timed the same steps on this machine, model and
+    code: then its samples (backend/worker/timing_cache.py). Returns the model and where its
+    samples came from."""
+    block_size = config.block_size
+    max_context = min(max_model_len, runner.num_blocks * block_size)
+    shapes = calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs, max_context)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def run_step(shape: list[CalibrationRow]) -> None:
+        requests, num_scheduled, block_ids = [], {}, {}
+        for i, row in enumerate(shape):
+            length = row.num_computed + row.num_new + (0 if row.samples else 1)
+            request = Request(request_id=f"calibration-{i}", prompt_token_ids=[0] * length, sampling_params=greedy,
+                              arrival_seq=-1, arrival_time=0.0, max_tokens=1, eos_token_ids=frozenset())
+            request.num_computed_tokens = row.num_computed
+            requests.append(request)
+            num_scheduled[request.request_id] = row.num_new
+            block_ids[request.request_id] = list(range(cdiv(row.num_computed + row.num_new, block_size)))
+        input_ids, meta, sampling = runner.prepare(requests, num_scheduled, block_ids)
+        logits = runner.execute(input_ids, meta)
+        if sampling:
+            sampler(logits, sampling, [[] for _ in sampling])
+        runner.synchronize()
+
+    started = time.perf_counter()
+    cache = TimingCache() if config.calibration_cache else None
+    key = {"runner": runner.timing_signature(), "shapes": [[asdict(row) for row in shape] for shape in shapes]}
+    samples = cache.load(key) if cache is not None else None
+    source = "read from the calibration cache"
+    if samples is None:
+        samples, source = calibrate(run_step, shapes), "timed now"
+        if cache is not None:
+            cache.store(key, samples)
+    model = StepCostModel.fitted(samples)
+    logger.info("step cost model from %d calibration steps, %s, in %.1f s: %s", len(shapes), source,
+                time.perf_counter() - started, model.describe())
+    return model, source
