@@ -273,7 +273,7 @@ def serve_stage(shape: str, plan: Plan, work: Path, record: Record, deadline: fl
                     continue
                 workload = make_workload(name, plan.requests_per_stream[name] * concurrency, seed=0)
                 target = Server(f"ours-{shape}-{batching}", "triton", "127.0.0.1", server.http_port, "llm")
-                spy = StubProfile(server, work / f"spy-{shape}-{batching}-{name}{concurrency}.txt", spy_seconds,
+                spy = StubProfile(work / f"spy-{shape}-{batching}-{name}{concurrency}.txt", spy_seconds,
                                   gil_only=spy_runs[(name, concurrency)]) \
                     if (name, concurrency) in spy_runs else contextlib.nullcontext()
                 with GpuSampler() as gpu, spy:
@@ -282,11 +282,12 @@ def serve_stage(shape: str, plan: Plan, work: Path, record: Record, deadline: fl
                     entry["stub_profile"] = spy.summary()
                 summary.requests = []     # the per-request rows stay out of this file
                 entry.update(num_requests=len(workload.requests), summary=no_nan(asdict(summary)), gpu=gpu.summary())
+                util = entry["gpu"].get("util_mean_pct")
                 if name == "M":
                     entry["static_step_ratio"] = static_step_ratio(workload, concurrency)
                 print(f"[serve {shape} {batching}] {name} x{concurrency}: {summary.output_tok_s:.0f} tok/s "
                       f"(saturated {summary.saturated_tok_s:.0f}), {summary.completed} ok / {summary.failed} failed, "
-                      f"GPU util {gpu.summary().get('util_mean_pct', float('nan')):.0f}%", flush=True)
+                      f"GPU util {'-' if util is None else f'{util:.0f}%'}", flush=True)
                 record.save()
         finally:
             stop_started = time.monotonic()
@@ -336,8 +337,8 @@ class StubProfile:
     """py-spy sampling the model stub (engine loop, sender, metrics, poller threads) for the
     first ``seconds`` of a run: where the host's time goes when the GPU waits on it."""
 
-    def __init__(self, server: Any, out: Path, seconds: float, gil_only: bool = False) -> None:
-        self.server, self.out, self.seconds, self.gil_only = server, out, seconds, gil_only
+    def __init__(self, out: Path, seconds: float, gil_only: bool = False) -> None:
+        self.out, self.seconds, self.gil_only = out, seconds, gil_only
         self.process: subprocess.Popen | None = None
         self.error = ""
 

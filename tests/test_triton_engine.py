@@ -100,20 +100,24 @@ def test_triton_prefix_hits(tiny_llama, shared_prompts, shared_reference) -> Non
     assert_same_tokens(ours, shared_reference)
 
 
+def eager_engine_for_graphs(tiny_llama, backend: str) -> tuple[Engine, bool]:
+    """An engine whose graphs a test makes itself, and whether they capture (on CUDA with the
+    Triton kernels only: the reference attention syncs with the host, which a graph cannot
+    hold). Fixed token budget: the steps must be the same whatever the machine's speed, so
+    that some step has a size the graphs pad."""
+    engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
+                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128, itl_target_ms=0.0,
+                                 dtype="float32", enforce_eager=True))
+    assert engine.runner.decode_graphs is None and engine.runner.mixed_graphs is None
+    return engine, engine.runner.device.type == "cuda" and backend == "triton"
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_padded_decode_batches_match(backend: str, tiny_llama, prompts, reference) -> None:
     """Decode steps padded to the CUDA-graph batch sizes (dummy rows with slot -1) change
     nothing: same tokens, and the padding writes no KV (invariants and no leaks hold)."""
-    # Fixed token budget: the steps must be the same whatever the machine's speed, so that some
-    # decode-only step has a batch size the graphs pad.
-    # enforce_eager: the test makes the graph runner itself, which captures on CUDA only (the
-    # reference attention syncs with the host, which a graph cannot hold).
-    engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
-                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128, itl_target_ms=0.0,
-                                 dtype="float32", enforce_eager=True))
+    engine, capture = eager_engine_for_graphs(tiny_llama, backend)
     runner = engine.runner
-    assert runner.decode_graphs is None
-    capture = runner.device.type == "cuda" and backend == "triton"
     runner.decode_graphs = DecodeGraphs(runner.model, runner.buffers, runner.kv_caches, capture_sizes(16), runner.max_model_len,
                                        capture=capture)
     padded_steps = 0
@@ -136,12 +140,8 @@ def test_padded_mixed_steps_match(backend: str, tiny_llama, prompts, reference) 
     """Steps with prefill chunks padded to the mixed-step graphs' token counts (an extra
     sequence of dummy tokens with slot -1, empty sequences after it, every sequence row of
     the buffers in the launch) change nothing: same tokens, no KV written by the padding."""
-    engine = Engine(EngineConfig(model=str(tiny_llama[0]), attention_backend=backend, block_size=16,
-                                 num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128, itl_target_ms=0.0,
-                                 dtype="float32", enforce_eager=True))
+    engine, capture = eager_engine_for_graphs(tiny_llama, backend)
     runner = engine.runner
-    assert runner.mixed_graphs is None
-    capture = runner.device.type == "cuda" and backend == "triton"
     graphs = MixedGraphs(runner.model, runner.buffers, runner.kv_caches, mixed_token_sizes(runner.max_tokens),
                          runner.max_logits_rows(), runner.max_model_len, capture=capture)
     runner.mixed_graphs = graphs

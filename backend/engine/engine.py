@@ -56,7 +56,9 @@ class Engine:
         self.cost_model = cost_model
         self.cost_model_origin = "handed in" if cost_model is not None else ""   # for the start-up log
         if self.cost_model is None and config.itl_target_ms > 0:
-            self.cost_model, self.cost_model_origin = self._calibrate_step_cost()
+            # Timed on the worker side (backend/worker/step_calibration.py), or read from its cache.
+            self.cost_model, self.cost_model_origin = fit_step_cost(self.runner, self.sampler, config,
+                                                                    self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_cache, on_constraint_error=self._constraint_failed,
                                    cost_model=self.cost_model)
         # LoRA adapters by name (multi_lora.json in the model folder), resolved at validation.
@@ -202,11 +204,6 @@ class Engine:
             error = self.cost_model.observe(sched.features, measured)
         self.last_step = StepRecord(measured, sched.predicted_seconds, error, rows)
         return outputs
-
-    def _calibrate_step_cost(self) -> tuple[StepCostModel, str]:
-        """The step cost model fitted at start-up (the worker side times it:
-        backend/worker/step_calibration.py), and where its samples came from."""
-        return fit_step_cost(self.runner, self.sampler, self.config, self.max_model_len)
 
     def _count_speculation(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """The counter and blocks of a request that verified drafts: only accepted ones count."""

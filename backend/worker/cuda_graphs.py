@@ -217,7 +217,8 @@ class MixedGraphs:
 
     def _pad(self, num_tokens: int, num_seqs: int, num_logits: int, size: int) -> None:
         """Tokens num_tokens..size: one more sequence, at position 0 of block 0, writing no KV;
-        sequences after it empty; logits rows past the step's read row 0."""
+        sequences after it empty (their tiles stop before reading a block table); logits rows
+        past the step's read row 0."""
         buf = self.buffers
         tokens = slice(num_tokens, size)
         buf.input_ids[tokens] = 0
@@ -227,7 +228,7 @@ class MixedGraphs:
         buf.query_start_loc[num_seqs + 1:] = size
         buf.seq_lens[num_seqs:] = 1
         buf.seq_lens[num_seqs] = max(1, size - num_tokens)
-        buf.block_tables[num_seqs:] = 0
+        buf.block_tables[num_seqs] = 0
         buf.logits_indices[num_logits:self._logits_rows(size)] = 0
 
     def _forward(self, size: int) -> torch.Tensor:

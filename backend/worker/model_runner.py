@@ -159,12 +159,12 @@ class ModelRunner:
         if (Path(config.model) / MULTI_LORA_FILE).exists():
             self._make_lora_slots()
 
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        self.num_blocks, kv_source = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
+                                      else self._blocks_from_budget())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.startup_notes.append(
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
-            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, "
-            f"{'num_kv_blocks' if config.num_kv_blocks else self._kv_budget_source})")
+            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {kv_source})")
         logger.info("%s", self.startup_notes[-1])
 
         # Test hook: called with the requests of every batch about to be packed; raising in
@@ -255,32 +255,30 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.arch.num_layers * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * element
 
-    def _blocks_from_budget(self) -> int:
-        budget = self.config.kv_cache_memory_bytes
-        self._kv_budget_source = "kv_cache_memory_bytes"
+    def _blocks_from_budget(self) -> tuple[int, str]:
+        """The KV blocks the budget holds, and where the budget came from (for the start-up log)."""
+        budget, source = self.config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         if budget is None:
             if self.device.type == "cuda":
-                budget = self._cuda_kv_budget()
+                budget, source = self._cuda_kv_budget()
             else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-                self._kv_budget_source = "the CPU default budget"
+                budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "the CPU default budget"
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
-        return int(num_blocks)
+        return int(num_blocks), source
 
-    def _cuda_kv_budget(self) -> int:
+    def _cuda_kv_budget(self) -> tuple[int, str]:
         """gpu_memory_utilization x the memory free once the weights are loaded, less the
-        activation peak of a full-budget step (measured by running one)."""
+        activation peak of a full-budget step (measured by running one); and how it was found."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         activation_peak = self._profile_activation_peak()
         budget = int(free * self.config.gpu_memory_utilization) - activation_peak
-        self._kv_budget_source = (f"free after weights {free / 2**30:.2f} GiB x gpu_memory_utilization "
-                                  f"{self.config.gpu_memory_utilization:.2f}, less an activation peak of "
-                                  f"{activation_peak / 2**30:.2f} GiB")
-        return budget
+        return budget, (f"free after weights {free / 2**30:.2f} GiB x gpu_memory_utilization "
+                        f"{self.config.gpu_memory_utilization:.2f}, less an activation peak of "
+                        f"{activation_peak / 2**30:.2f} GiB")
 
     def max_logits_rows(self) -> int:
         """The most logits rows a step can have: one per sequence, plus one per draft when
