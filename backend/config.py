@@ -79,7 +79,7 @@ class EngineConfig:
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
                                                # backend (kernels/triton_layer_ops.py); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
-    cuda_graph_mixed_steps: bool = False       # CUDA: also replay graphs for steps with prefill chunks or drafts
+    cuda_graph_mixed_steps: bool = True        # CUDA: also replay graphs for steps with prefill chunks or drafts
                                                # (one per power-of-two token count up to the budget;
                                                # backend/worker/cuda_graphs.py). Off until measured on a GPU
     step_trace_path: str = ""                  # served engine: one JSON line per step (which requests, how many
