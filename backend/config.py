@@ -81,7 +81,7 @@ class EngineConfig:
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
     cuda_graph_mixed_steps: bool = True        # CUDA: also replay graphs for steps with prefill chunks or drafts
                                                # (one per power-of-two token count up to the budget;
-                                               # backend/worker/cuda_graphs.py). Off until measured on a GPU
+                                               # backend/worker/cuda_graphs.py)
     step_trace_path: str = ""                  # served engine: one JSON line per step (which requests, how many
                                                # tokens, prefill or decode, time) appended here; "" = off
     # Speculative decoding (backend/sample/speculative.py): drafts verified in the same packed step.
