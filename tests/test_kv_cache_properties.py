@@ -25,7 +25,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from backend.core.block_pool import BlockPool, KVBlock
-from backend.core.kv_cache_manager import KVCacheManager
+from backend.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from backend.core.kv_cache_utils import cdiv, hash_block
 from backend.core.request import Request
 from backend.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 sorted(kv.req_blocks), {rid: ids(kv.blocks_of(rid)) for rid in rids},
                 request.num_computed_tokens, request.num_tokens)
 
-    def _allocate(self, request: Request, num_new: int, hits: list[KVBlock]) -> bool:
+    def _allocate(self, request: Request, num_new: int, hits: KVCacheBlocks) -> bool:
         """``allocate_slots`` checked against the model: it succeeds exactly when the new blocks
         plus revived cached blocks fit in the free queue, fails without any side effect
         otherwise, takes new blocks in LRU order and never writes into a shared block."""
@@ -130,7 +130,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
         after = kv.blocks_of(rid)
         assert len(after) == len(before) + len(hits) + need_new
-        assert all(x is y for x, y in zip(after, before + hits))
+        assert all(x is y for x, y in zip(after, before + list(hits)))
         fresh = after[len(before) + len(hits):]
         for block in revived:
             self.lru.remove(block.block_id)
@@ -161,7 +161,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.lru.append(block.block_id)
         assert self.kv.blocks_of(request.request_id) == []
 
-    def _check_prefix_hit(self, request: Request, hits: list[KVBlock], num_hit: int) -> None:
+    def _check_prefix_hit(self, request: Request, hits: KVCacheBlocks, num_hit: int) -> None:
         """A hit is whole blocks, never the last token, serves K/V of exactly the request's
         prefix, and is maximal: the next block is genuinely not in the cache."""
         kv = self.kv
@@ -169,7 +169,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert num_hit == len(hits) * bs
         assert num_hit <= request.num_tokens - 1, "the last prompt token was served from cache"
         if not kv.enable_caching:
-            assert hits == []
+            assert len(hits) == 0
             return
         assert request.block_hashes == chain_hashes(request.token_ids, bs)
         for i, block in enumerate(hits):
@@ -405,7 +405,7 @@ def test_no_hits_when_caching_disabled(block_size: int, prompt: list[int]) -> No
     admit_whole_prompt(kv, a)
     kv.free(a)
     b = make_request(prompt)
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (KVCacheBlocks(), 0)
     assert kv.pool.num_cached_blocks == 0
 
 
@@ -424,7 +424,7 @@ def test_prefix_hit_requires_identical_history(block_size: int, m: int, data: st
     admit_whole_prompt(kv, a)
     kv.free(a)
     b = make_request(head_b + rest + [0])
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (KVCacheBlocks(), 0)
     assert not set(b.block_hashes) & set(a.block_hashes)
 
 
@@ -502,7 +502,7 @@ def test_evicted_head_block_stops_the_chain(block_size: int, m: int, data: st.Da
     assert pool.num_cached_blocks == before_cached - 1
     assert pool.get_cached_block(a.block_hashes[1]) is blocks[1]
     b = make_request(prompt)
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (KVCacheBlocks(), 0)
     pool.free(victims)
     pool.check_invariants()
 

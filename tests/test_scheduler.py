@@ -8,7 +8,8 @@ import itertools
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.request import Request, RequestStatus
-from backend.core.scheduler import Scheduler, SchedulerOutput
+from backend.core.scheduler import Scheduler
+from backend.core.scheduler_output import SchedulerOutput
 from backend.sampling_params import SamplingParams
 
 _ids = itertools.count()

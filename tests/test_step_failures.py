@@ -12,7 +12,7 @@ import pytest
 
 from backend import Engine, EngineConfig, EngineUnhealthyError, FinishReason, SamplingParams
 from backend.core.request import Request
-from backend.engine.engine import MAX_FAILED_STEPS_IN_A_ROW
+from backend.engine.failure_isolation import MAX_FAILED_STEPS_IN_A_ROW, EngineHealth
 from backend.engine.loop import EngineLoop, EngineStepError
 from tests.conftest import FIXED_BUDGET
 
@@ -32,7 +32,7 @@ def no_fault(engine: Engine):
     yield
     engine.runner.fault_hook = None
     # The module's engine is shared: heal what a health test left behind.
-    engine.health_error, engine._failed_steps_in_a_row = None, 0
+    engine.health = EngineHealth()
     engine.check_invariants()
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"

@@ -7,9 +7,30 @@ The scheduler asks two questions: "how much of this prompt is already cached?"
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
 from backend.core.block_pool import BlockPool, KVBlock
 from backend.core.kv_cache_utils import cdiv, request_block_hashes
 from backend.core.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks the KV-cache manager hands out (a prefix hit, the blocks a step writes): the
+    scheduler and the engine pass them back, count them or read their ids, and never see the
+    pool's bookkeeping (ref counts, hashes, the free queue)."""
+    blocks: tuple[KVBlock, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[KVBlock]:   # for core/ and its tests
+        return iter(self.blocks)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
 
 
 class KVCacheManager:
@@ -34,24 +55,33 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return self.pool.num_cached_blocks
 
-    def forget_unwritten(self, blocks: list[KVBlock]) -> None:
-        """After a failed step: the prefix-cache entries of those of ``blocks`` nobody holds any
-        more go (the step that was to write their K/V did not)."""
-        for block in blocks:
-            if block.ref_count == 0:
-                self.pool.uncache(block)
+    def forget_unwritten(self, groups: Iterable[KVCacheBlocks]) -> None:
+        """After a failed step: the prefix-cache entries of those blocks nobody holds any more
+        go (the step that was to write their K/V did not)."""
+        for group in groups:
+            for block in group.blocks:
+                if block.ref_count == 0:
+                    self.pool.uncache(block)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
+        """The request's blocks themselves: for core/ and its tests."""
         return self.req_blocks.get(request_id, [])
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def block_ids_of(self, request_id: str) -> list[int]:
+        """The request's block table."""
+        return [block.block_id for block in self.req_blocks.get(request_id, [])]
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return bool(self.req_blocks.get(request_id))
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of the request's tokens, in whole blocks. The last token is
         never served from cache: its logits must be computed."""
         if not self.enable_caching or request.num_computed_tokens > 0:
-            return [], 0
+            return KVCacheBlocks(), 0
         request_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -60,7 +90,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a failed admission retries next step
@@ -70,11 +100,11 @@ class KVCacheManager:
             self.prefix_hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+                       computed: KVCacheBlocks | None = None) -> bool:
         """Make room for ``num_new_tokens`` after the request's computed tokens (and after
         ``computed_blocks``, a prefix hit being attached now). Returns False, changing
         nothing, when there are not enough free blocks."""
-        computed_blocks = computed_blocks or []
+        computed_blocks = list(computed or ())
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(computed_blocks)
@@ -127,13 +157,13 @@ class KVCacheManager:
             del blocks[keep:]
             self.pool.free(list(reversed(extra)))
 
-    def uncomputed_blocks(self, request: Request) -> list[KVBlock]:
+    def uncomputed_blocks(self, request: Request) -> KVCacheBlocks:
         """The request's blocks whose K/V this step was to write (not yet valid)."""
-        return self.blocks_of(request.request_id)[request.num_computed_tokens // self.block_size:]
+        return KVCacheBlocks(tuple(self.blocks_of(request.request_id)[request.num_computed_tokens // self.block_size:]))
 
-    def computed_blocks(self, request: Request) -> list[KVBlock]:
+    def computed_blocks(self, request: Request) -> KVCacheBlocks:
         """The request's blocks whose K/V it reads as already computed."""
-        return self.blocks_of(request.request_id)[:request.num_computed_tokens // self.block_size]
+        return KVCacheBlocks(tuple(self.blocks_of(request.request_id)[:request.num_computed_tokens // self.block_size]))
 
     def check_invariants(self, live_requests: dict[str, Request]) -> None:
         self.pool.check_invariants()

@@ -39,67 +39,16 @@ an error (``on_constraint_error`` tells the engine).
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request, RequestStatus
-from backend.core.step_cost import ZERO, Features, StepCostModel, add, row_features, sub
+from backend.core.request_queue import WaitingQueue
+from backend.core.scheduler_output import SchedulerOutput
+from backend.core.step_cost import ZERO, Features, StepCostModel, add, largest_fitting, row_features, sub
 from backend.sample.speculative import NgramProposer, can_speculate
-
-
-@dataclass
-class SchedulerOutput:
-    # request_id -> number of tokens to compute this step, in batch order
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # request_id -> draft tokens scheduled after its last token (counted in num_scheduled_tokens)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # What the step computes, as the cost model sees it (backend/core/step_cost.py), and the
-    # model's prediction of its time (None without a cost model).
-    features: Features = ZERO
-    predicted_seconds: float | None = None
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
-
-class WaitingQueue:
-    """Requests ordered by a key: (priority, arrival) or (0, arrival) for FCFS. A preempted
-    request keeps its arrival number, so it re-enters ahead of later arrivals."""
-
-    def __init__(self, use_priority: bool) -> None:
-        self.use_priority = use_priority
-        self._heap: list[tuple[tuple[int, int], Request]] = []
-
-    def key(self, request: Request) -> tuple[int, int]:
-        return (request.sampling_params.priority if self.use_priority else 0, request.arrival_seq)
-
-    def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self.key(request), request))
-
-    def remove(self, request: Request) -> None:
-        self._heap = [item for item in self._heap if item[1] is not request]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In policy order, lazily: admission looks at the first few of a queue that may hold
-        hundreds, every step (keys are unique: arrival numbers never tie)."""
-        heap = list(self._heap)
-        while heap:
-            yield heapq.heappop(heap)[1]
 
 
 class Scheduler:
@@ -277,7 +226,7 @@ class Scheduler:
             elif request.status != RequestStatus.RUNNING:
                 continue             # preempted to make room for a request before it
             else:
-                computed_blocks, num_hit = [], request.num_computed_tokens
+                computed_blocks, num_hit = None, request.num_computed_tokens
             remaining = request.num_tokens - num_hit
             if remaining > budget and not config.enable_chunked_prefill:
                 if waiting:
@@ -338,7 +287,8 @@ class Scheduler:
         if target is None:
             return config.max_num_batched_tokens
         room = config.max_num_batched_tokens - out.total_num_tokens
-        fitting = self._largest_fitting(room, target, lambda n: add(out.features, row_features(n, 0, True)))
+        fitting = largest_fitting(self.cost_model, room, target,
+                                  lambda n: add(out.features, row_features(n, 0, True)))
         return max(fitting, config.min_prefill_chunk_tokens)
 
     def _fit_chunk(self, request: Request, num_computed: int, max_new: int, features: Features,
@@ -347,29 +297,8 @@ class Scheduler:
         ``features`` without its predicted time passing ``target``; 0 when none fits."""
         if target is None:
             return max_new
-        return self._largest_fitting(max_new, target,
-                                     lambda num_new: add(features, self._row(request, num_new, num_computed)))
-
-    def _largest_fitting(self, max_new: int, target: float, step_with: Callable[[int], Features]) -> int:
-        """The largest ``n`` <= ``max_new`` whose step (``step_with(n)``: its features) is predicted
-        within ``target``; 0 when none is."""
-        assert self.cost_model is not None
-
-        def fits(num_new: int) -> bool:
-            return self.cost_model.predict(step_with(num_new)) <= target
-
-        if max_new <= 0:
-            return 0
-        if fits(max_new):
-            return max_new
-        low, high = 0, max_new          # fits(low) is assumed (0: nothing added), fits(high) is false
-        while high - low > 1:
-            mid = (low + high) // 2
-            if fits(mid):
-                low = mid
-            else:
-                high = mid
-        return low
+        return largest_fitting(self.cost_model, max_new, target,
+                               lambda num_new: add(features, self._row(request, num_new, num_computed)))
 
     def _ready_waiting(self) -> Iterator[Request]:
         """Waiting requests that may be admitted now, in policy order. A request whose constraint

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -135,3 +136,26 @@ class StepCostModel:
                  "prefill_context": ("us/key", 1e6)}
         return ", ".join(f"{name} {value * units[name][1]:.3g} {units[name][0]}"
                          for name, value in zip(FEATURES, self.coefficients))
+
+
+def largest_fitting(cost_model: StepCostModel, max_new: int, target: float,
+                    step_with: Callable[[int], Features]) -> int:
+    """The largest ``n`` <= ``max_new`` whose step (``step_with(n)``: its features) the model
+    predicts within ``target`` seconds; 0 when none is (binary search: the prediction grows
+    with ``n``)."""
+
+    def fits(num_new: int) -> bool:
+        return cost_model.predict(step_with(num_new)) <= target
+
+    if max_new <= 0:
+        return 0
+    if fits(max_new):
+        return max_new
+    low, high = 0, max_new          # fits(low) is assumed (0: nothing added), fits(high) is false
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

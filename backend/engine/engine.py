@@ -1,7 +1,10 @@
-"""The engine: request intake and validation, the step loop, output assembly.
+"""The engine core: request intake and validation, then each step: schedule, run the model,
+sample, update the scheduler.
 
-Single-threaded by design: whoever calls ``step()`` owns the scheduler and KV state.
-The serving layer runs it on its own thread (see ``backend.engine.loop``).
+Output assembly (stop checks, detokenization) is ``backend.engine.output_processor``'s; what
+happens when a step fails is ``backend.engine.failure_isolation``'s. Single-threaded by
+design: whoever calls ``step()`` owns the scheduler and KV state. The serving layer runs it on
+its own thread (see ``backend.engine.loop``).
 """
 
 from __future__ import annotations
@@ -9,22 +12,23 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
 from typing import Any, Sequence
 
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.request import Request, RequestStatus
-from backend.core.scheduler import Scheduler, SchedulerOutput
+from backend.core.scheduler import Scheduler
+from backend.core.scheduler_output import SchedulerOutput
 from backend.core.step_cost import StepCostModel
-from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.failure_isolation import EngineHealth, find_culprits, readers_of_unwritten
+from backend.engine.output_processor import OutputProcessor
 from backend.engine.stats import EngineStats, StepRecord, count_loras
 from backend.engine.tokenizer import eos_token_ids, load_tokenizer
 from backend.engine.validation import Prompt, RequestValidator
 from backend.lora.registry import LoRARegistry
 from backend.errors import InvalidRequestError, QueueFullError, is_device_error
 from backend.model.architecture import ModelArchitecture
-from backend.outputs import FinishReason, Logprob, RequestOutput
+from backend.outputs import RequestOutput
 from backend.sample.constraints import AllowedTokenIds
 from backend.sample.grammar import GrammarService
 from backend.sample.sampler import Sampler, SamplerOutput
@@ -33,11 +37,6 @@ from backend.worker.model_runner import ModelRunner
 from backend.worker.step_calibration import fit_step_cost
 
 logger = logging.getLogger(__name__)
-
-# A step whose requests all failed (alone or together) ends them and the engine goes on: a
-# poisoned request, or a transient fault. This many in a row, with no good step between,
-# mark the engine unhealthy.
-MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class Engine:
@@ -67,20 +66,24 @@ class Engine:
         self.validator = self.make_validator()
         self._grammars: GrammarService | None = None   # built on the first structured-output request
         self.requests: dict[str, Request] = {}      # live (waiting or running) requests
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._pending_outputs: list[RequestOutput] = []   # e.g. aborts, reported by the next step()
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.last_step: StepRecord | None = None   # for the loop's step trace and metrics
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
                             "spec_verifications": 0}
-        # Set once the engine cannot be trusted any more (a device error, or
-        # MAX_FAILED_STEPS_IN_A_ROW steps that failed all their requests); the serving layer
-        # then refuses requests and its supervisor restarts the server.
-        self.health_error: str | None = None
-        self._failed_steps_in_a_row = 0
+        self.health = EngineHealth()
+
+    @property
+    def health_error(self) -> str | None:
+        """Set once the engine cannot be trusted any more (``EngineHealth``)."""
+        return self.health.error
+
+    @health_error.setter
+    def health_error(self, reason: str | None) -> None:
+        self.health.error = reason
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -112,7 +115,7 @@ class Engine:
         if params.grammar_spec is not None:   # compiled off this thread; the request waits for it
             request.pending_constraint = self.grammars.constraint_for(params.grammar_spec)
         self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self.output_processor.add_request(request)
         self.scheduler.add_request(request)
 
     @property
@@ -146,9 +149,9 @@ class Engine:
         if request is None:
             return False
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        output = self._finish_output(request, [], "", [], None)
-        output.finish_message = message
-        self._pending_outputs.append(output)
+        del self.requests[request_id]
+        self._pending_outputs.append(self.output_processor.final_output(request, request.status.finish_reason,
+                                                                        message))
         return True
 
     # ---- the loop --------------------------------------------------------------------------
@@ -177,13 +180,13 @@ class Engine:
             sampling, sampled = self._run_batch(computed, sched)
         except Exception as exc:  # noqa: BLE001 - isolated below
             if is_device_error(exc):   # the device is unusable: nothing to isolate, no point retrying
-                self.health_error = f"device error: {exc!r}"
+                self.health.device_failed(exc)
                 raise
             logger.warning("engine step failed (%r); isolating the requests responsible", exc)
             computed, sampling, sampled = self._isolate_failure(sched, exc, rng, outputs)
             failed = True
         if not failed:
-            self._failed_steps_in_a_row = 0
+            self.health.step_succeeded()
         for request in computed:
             self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
                                                    request.num_prompt_tokens - request.num_computed_tokens))
@@ -217,7 +220,7 @@ class Engine:
                    ) -> tuple[list[Request], SamplerOutput | None]:
         """Forward pass + sampling for ``requests`` (scheduled in ``sched``). Touches no
         scheduling state: only the K/V slots of these requests and the RNGs."""
-        block_ids = {r.request_id: [b.block_id for b in self.kv_cache.blocks_of(r.request_id)] for r in requests}
+        block_ids = {r.request_id: self.kv_cache.block_ids_of(r.request_id) for r in requests}
         input_ids, meta, sampling = self.runner.prepare(requests, sched.num_scheduled_tokens, block_ids,
                                                         sched.spec_token_ids)
         logits = self.runner.execute(input_ids, meta)
@@ -226,56 +229,27 @@ class Engine:
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception, rng: list, outputs: list[RequestOutput],
                          ) -> tuple[list[Request], list[Request], SamplerOutput | None]:
-        """A step failed. Re-run its requests in halves to find those that fail on their own
-        (a failure that follows a request is the request's), fail them, and run the step again
-        without them. RNG states are restored before every run, so seeded requests draw the
-        same noise as they would have. Returns what ``step`` continues with."""
-        culprits: dict[str, Exception] = {}
+        """A step failed: fail the requests that fail on their own (backend/engine/failure_isolation.py),
+        recompute those that read what they were to write, and run the step again without
+        either. RNG states are restored before every run, so seeded requests draw the same
+        noise as they would have. Returns what ``step`` continues with."""
 
-        def probe(group: list[Request], known_error: Exception | None = None) -> None:
-            if known_error is None:
-                self.sampler.restore_rng_state(rng)
-                try:
-                    self._run_batch(group, sched)
-                    return
-                except Exception as exc:  # noqa: BLE001
-                    known_error = exc
-            if len(group) == 1:
-                culprits[group[0].request_id] = known_error
-                return
-            half = len(group) // 2
-            probe(group[:half])
-            probe(group[half:])
+        def run(group: list[Request]) -> None:
+            self.sampler.restore_rng_state(rng)
+            self._run_batch(group, sched)
 
-        probe(sched.requests, error)
-        if not culprits or (len(culprits) == len(sched.requests) > 1):
-            # It follows no single request (it needs the whole batch, or nothing runs at all):
-            # the step's requests fail, the queue goes on.
+        culprits = find_culprits(sched.requests, run, error)
+        if len(culprits) == len(sched.requests) > 1:
             logger.error("engine step failed and no single request explains it: %r", error)
-            culprits = {r.request_id: error for r in sched.requests}
-        # A step in which every request failed, alone or together, says as much about the
-        # engine as about them: a few in a row (and no good step between) is a broken engine.
-        self._failed_steps_in_a_row = self._failed_steps_in_a_row + 1 if len(culprits) == len(sched.requests) else 0
-        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-            self.health_error = f"{self._failed_steps_in_a_row} steps in a row failed every request, last with {error!r}"
+        self.health.step_failed(len(culprits), len(sched.requests), error)
         # Blocks this step was to write: once nobody who would write them holds them, their
         # prefix-cache entries must go (nothing valid is behind them).
-        pending = [b for r in sched.requests for b in self.kv_cache.uncomputed_blocks(r)]
+        pending = [self.kv_cache.uncomputed_blocks(r) for r in sched.requests]
         culprit_requests = [r for r in sched.requests if r.request_id in culprits]
         survivors = [r for r in sched.requests if r.request_id not in culprits]
-        # A survivor that took a prefix hit on a block a culprit was filling in this step would
-        # read K/V that was never written: recompute it later instead (preemption). That in
-        # turn leaves the blocks it was filling unwritten, so repeat until nothing depends on them.
-        unwritten = {b.block_id for r in culprit_requests for b in self.kv_cache.uncomputed_blocks(r)}
-        while True:
-            dependents = [r for r in survivors
-                          if any(b.block_id in unwritten for b in self.kv_cache.computed_blocks(r))]
-            if not dependents:
-                break
-            for request in dependents:
-                unwritten.update(b.block_id for b in self.kv_cache.uncomputed_blocks(request))
-                survivors.remove(request)
-                self.scheduler.preempt(request, sched)
+        for request in readers_of_unwritten(self.kv_cache, culprit_requests, survivors):
+            survivors.remove(request)
+            self.scheduler.preempt(request, sched)
         for request in culprit_requests:
             logger.error("request %s failed in an engine step: %r", request.request_id, culprits[request.request_id])
             outputs.append(self._fail_request(request, culprits[request.request_id]))
@@ -290,83 +264,13 @@ class Engine:
         if not request.status.is_finished:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
         self.requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finish_reason=FinishReason.ERROR,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens or 0,
-                             num_output_tokens=request.num_output_tokens, finish_message=f"{type(error).__name__}: {error}",
-                             _all_token_ids=request.token_ids)
+        return self.output_processor.error_output(request, error)
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, Logprob] | None,
-                       ) -> RequestOutput:
-        """Append this step's tokens (more than one after accepted drafts) one by one, so
-        that EOS, stop ids, stop strings, min_tokens and max_tokens end the request exactly
-        where they would one token per step; tokens after the end are dropped."""
-        params = request.sampling_params
-        detok = self._detokenizers[request.request_id]
-        finish: FinishReason | None = None
-        stop_reason: str | int | None = None
-        delta = ""
-        appended: list[int] = []
-        for token_id in token_ids:
-            request.append_token(token_id)
-            appended.append(token_id)
-            self.generation_tokens_total += 1
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                finish, stop_reason = FinishReason.STOP, token_id
-            elif token_id in params.stop_token_ids:
-                finish, stop_reason = FinishReason.STOP, token_id
-            else:
-                text, stop_string = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
-                delta += text
-                if stop_string is not None:
-                    finish, stop_reason = FinishReason.STOP, stop_string
-            if finish is None and request.constraint_complete:
-                finish, stop_reason = FinishReason.STOP, token_id   # the grammar ended (ignore_eos too)
-            if finish is None and (request.num_output_tokens >= request.max_tokens
-                                   or request.num_tokens >= self.max_model_len):
-                finish = FinishReason.LENGTH
-            if finish is not None:
-                break
-        new_logprobs = None
-        if logprobs is not None:   # requests with logprobs take no drafts: one token
-            logprobs = {token: replace(entry, decoded_token=self._token_text(token))
-                        for token, entry in logprobs.items()}
-            request.logprobs.append(logprobs)
-            request.cumulative_logprob += logprobs[token_ids[0]].logprob
-            new_logprobs = [logprobs]
-        if finish is None:
-            return self._output(request, appended, delta, new_logprobs, None)
-        if not isinstance(stop_reason, str):
-            delta += detok.finish()  # release text held back for a stop string that never came
-        self.scheduler.finish_request(request, RequestStatus.finished_with(finish))
-        return self._finish_output(request, appended, delta, new_logprobs, stop_reason)
-
-    def _token_text(self, token_id: int) -> str:
-        """A token's text on its own, as the output text shows it (special tokens such as EOS
-        are not in the text, so their text is ""): the rank-1 entries of a stream's logprobs
-        concatenate to its text."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=True)
-
-    def _output(self, request: Request, new_ids: list[int], delta: str,
-                new_logprobs: list[dict[int, Logprob]] | None, finish_reason: FinishReason | None,
-                stop_reason: str | int | None = None) -> RequestOutput:
-        want_logprobs = request.sampling_params.logprobs is not None
-        detokenizer = self._detokenizers[request.request_id]
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=new_ids, new_text=delta, finish_reason=finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens or 0,
-            num_output_tokens=request.num_output_tokens, new_logprobs=new_logprobs if want_logprobs else None,
-            cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
-            stop_reason=stop_reason, _all_token_ids=request.token_ids, _detokenizer=detokenizer,
-            _text_length=detokenizer.num_released_chars,
-            _all_logprobs=request.logprobs if want_logprobs else None)
-
-    def _finish_output(self, request: Request, new_ids: list[int], delta: str,
-                       new_logprobs: list[dict[int, Logprob]] | None, stop_reason: str | int | None) -> RequestOutput:
-        output = self._output(request, new_ids, delta, new_logprobs, request.status.finish_reason, stop_reason)
-        del self.requests[request.request_id]
-        del self._detokenizers[request.request_id]
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict | None) -> RequestOutput:
+        output = self.output_processor.append_tokens(request, token_ids, logprobs)
+        if output.finish_reason is not None:
+            self.scheduler.finish_request(request, RequestStatus.finished_with(output.finish_reason))
+            del self.requests[request.request_id]
         return output
 
     # ---- convenience and introspection -------------------------------------------------------
@@ -398,7 +302,8 @@ class Engine:
             prefix_cache_queried_tokens=self.kv_cache.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
             health_error=self.health_error, lora_running=count_loras(self.scheduler.running),
             lora_waiting=count_loras(self.scheduler.waiting), max_loras=self.config.max_loras, **self.spec_counts)
 
@@ -406,7 +311,7 @@ class Engine:
         """Raise AssertionError if block accounting is inconsistent."""
         live = {r.request_id: r for r in self.scheduler.running}
         for request in self.scheduler.waiting:
-            if self.kv_cache.blocks_of(request.request_id):
+            if self.kv_cache.holds_blocks(request.request_id):
                 raise AssertionError(f"waiting request {request.request_id} holds KV blocks")
         self.kv_cache.check_invariants(live)
         if set(live) | {r.request_id for r in self.scheduler.waiting} != set(self.requests):
