@@ -46,7 +46,7 @@ from pathlib import Path
 
 from client.llm_client import PREFIX_KEY_HEADER, SERVED_BY_HEADER
 from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports, terminate_with_parent
-from server.ready import READY_FAMILY
+from server.stub.metric_names import READY_FAMILY
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
 FALLBACK_PREFIX_BYTES = 256     # of text_input, hashed when a request carries no prefix key

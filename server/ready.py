@@ -15,10 +15,7 @@ import urllib.error
 import urllib.request
 
 from server.launch import MODEL_NAME
-
-# The model's gauge: 1 while it takes new requests (server/metrics.py sets it). HAProxy's
-# health check (server/cluster.py) and this probe read it.
-READY_FAMILY = "llm_ready"
+from server.stub.metric_names import READY_FAMILY
 
 
 def is_ready(http: str, metrics_url: str, timeout: float = 2.0) -> tuple[bool, str]:

@@ -26,7 +26,7 @@ from server.cluster import (
     DEPLOY_DIR, Cluster, HAProxy, Prometheus, ProxyPorts, deploy_files, haproxy_config, replica_endpoints,
 )
 from server.launch import REPO_ROOT, free_ports
-from server.metrics import COUNTERS, GAUGES, HISTOGRAMS
+from server.stub.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
 pytestmark = pytest.mark.server
 

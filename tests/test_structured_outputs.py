@@ -32,7 +32,7 @@ from backend.sample.constraints import bitmask_to_bool, mask_logits_, new_bitmas
 from backend.sample.grammar import GrammarService, tokenizer_info
 from backend.sampling_params import SamplingParams
 from backend.structured_outputs import MAX_GRAMMAR_CHARS, GrammarSpec
-from server.vllm_protocol import sampling_params as protocol_sampling_params
+from server.stub.vllm_protocol import sampling_params as protocol_sampling_params
 from tests.structured_cases import CASES, MAX_TOKENS, PERSON_SCHEMA, Case
 from tests.conftest import FIXED_BUDGET
 

@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from server.vllm_protocol import STREAM_WITH_INPUT_MESSAGE
+from server.stub.vllm_protocol import STREAM_WITH_INPUT_MESSAGE
 from tests.grpc_requests import stream_request, vllm_inputs
 
 pytestmark = pytest.mark.server

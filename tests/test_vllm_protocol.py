@@ -1,4 +1,4 @@
-"""The vLLM backend's request and response conventions (server/vllm_protocol.py), without a
+"""The vLLM backend's request and response conventions (server/stub/vllm_protocol.py), without a
 server: string numbers, request parameters under the tensor, the streaming flag rule, and
 the response payloads. tests/test_vllm_backend_clients.py runs that backend's own clients
 against the real server."""
@@ -11,7 +11,7 @@ import pytest
 
 from backend.errors import InvalidRequestError
 from backend.outputs import Logprob
-from server.vllm_protocol import (NOT_FINISHED, NULL_LOGPROBS, STREAM_WITH_INPUT_MESSAGE, check_stream_flags,
+from server.stub.vllm_protocol import (NOT_FINISHED, NULL_LOGPROBS, STREAM_WITH_INPUT_MESSAGE, check_stream_flags,
                                   coerce_value, finish_reason_text, logprobs_json, sampling_params)
 
 

@@ -41,8 +41,8 @@ from backend import (EngineConfig, EngineUnhealthyError, InvalidRequestError, Qu
                      SamplingParams, ShuttingDownError)
 from backend.engine.loop import EngineLoop, build_engine
 from backend.engine.parallel_sampling import ParallelOutput
-from server import vllm_protocol
-from server.metrics import EngineMetrics
+from server.stub import vllm_protocol
+from server.stub.metrics import EngineMetrics
 
 # What a stream receives: one request's output, all n completions' outputs (n > 1), or the
 # error that ends it.
@@ -253,7 +253,7 @@ class TritonPythonModel:
 
     def _output_tensors(self, stream: _Stream, result: RequestOutput | ParallelOutput,
                         streaming: bool) -> list[Any]:
-        """The vLLM backend's outputs (server/vllm_protocol.py): each requested one on every
+        """The vLLM backend's outputs (server/stub/vllm_protocol.py): each requested one on every
         response, one element per completion (n of them); streaming sends deltas, a single
         response the whole completions."""
         flags = stream.flags

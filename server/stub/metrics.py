@@ -14,7 +14,7 @@ from typing import Any
 
 from backend.engine.stats import EngineStats
 from backend.engine.loop import LatencySample
-from server.ready import READY_FAMILY
+from server.stub.metric_names import READY_FAMILY
 
 # Seconds. Dense at the low end, where a CPU or GPU decode step lives.
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
