@@ -82,8 +82,8 @@ class EngineConfig:
     cuda_graph_mixed_steps: bool = True        # CUDA: also replay graphs for steps with prefill chunks or drafts
                                                # (one per power-of-two token count up to the budget;
                                                # backend/worker/cuda_graphs.py)
-    step_trace_path: str = ""                  # served engine: one JSON line per step (which requests, how many
-                                               # tokens, prefill or decode, time) appended here; "" = off
+    step_trace_path: str | None = None         # served engine: one JSON line per step (which requests, how many
+                                               # tokens, prefill or decode, time) appended here; None = off
     # Speculative decoding (backend/sample/speculative.py): drafts verified in the same packed step.
     speculative_method: Literal["none", "ngram"] = "none"  # ngram: prompt lookup over the request's tokens
     num_speculative_tokens: int = 5            # drafts per request and step, at most
