@@ -32,12 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels
 from backend import Engine, EngineConfig, SamplingParams
 from backend.model import cpu_linear, llama
 from backend.sample.sampler import Sampler
 from benchmarks.step_cost import cpu_name
-from kernels import cpu_native
+from kernels import attention_backend, cpu_native
 
 FAMILIES = ("attention", "linear", "norms", "rope+kv write", "plan", "sampling", "prepare", "other")
 _totals: dict[str, float] = defaultdict(float)
@@ -61,9 +60,11 @@ def _timed(family: str, fn):
 
 def instrument() -> None:
     """Wrap the op families where the model looks them up (module attributes, class methods)."""
-    kernels.paged_attention = _timed("attention", kernels.paged_attention)
-    kernels.plan_attention = _timed("plan", kernels.plan_attention)
-    kernels.reshape_and_cache = _timed("rope+kv write", kernels.reshape_and_cache)
+    for backend in (attention_backend.CpuAttention, attention_backend.ReferenceAttention,
+                    attention_backend.TritonAttention):
+        backend.attend = _timed("attention", backend.attend)
+        backend.plan = _timed("plan", backend.plan)
+        backend.write_kv = _timed("rope+kv write", backend.write_kv)
     llama.apply_rope = _timed("rope+kv write", llama.apply_rope)
     cpu_native.rope_and_cache = _timed("rope+kv write", cpu_native.rope_and_cache)
     cpu_native.add_rms_norm = _timed("norms", cpu_native.add_rms_norm)

@@ -32,6 +32,7 @@ import torch
 from backend.lora.adapter import PROJECTIONS, LoRAAdapter, part_slices, projection_inputs
 from backend.model.architecture import ModelArchitecture
 from kernels import cpu_native
+from kernels.attention_backend import AttentionBackendKind, attention_backend_kind
 
 NO_SLOT = -1
 
@@ -42,12 +43,15 @@ class LoRABackend(str, Enum):
     TORCH = "torch"      # a shrink and an expand matmul per slot
 
     @classmethod
-    def for_attention_backend(cls, attention_backend: str) -> "LoRABackend":
-        if attention_backend == "triton":
+    def for_attention_backend(cls, attention: AttentionBackendKind | str) -> "LoRABackend":
+        """The delta's kernels that go with a resolved attention backend: Triton's with Triton's
+        (both captured in the same CUDA graphs), C with the C attention where the library built,
+        torch's otherwise."""
+        kind = attention_backend_kind(attention)
+        if kind is AttentionBackendKind.TRITON:
             return cls.TRITON
-        if attention_backend == "cpu":
-            if cpu_native.load() is not None:
-                return cls.CPU
+        if kind is AttentionBackendKind.CPU and cpu_native.load() is not None:
+            return cls.CPU
         return cls.TORCH
 
 

@@ -1,8 +1,9 @@
 """Llama-family decoder (llama, mistral, qwen2, qwen3) over a packed batch with a paged KV cache.
 
 One forward computes every scheduled token of every request at once; attention reads K/V
-only from the paged cache through ``kernels``. q/k/v and gate/up projections are fused
-(fewer, larger matmuls); ``backend.model.loader`` fills them from a checkpoint.
+only from the paged cache, through the model's ``AttentionBackend`` object
+(kernels/attention_backend.py). q/k/v and gate/up projections are fused (fewer, larger
+matmuls); ``backend.model.loader`` fills them from a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from kernels import cpu_native
+from kernels.attention_backend import AttentionBackend, AttentionPlan, as_attention_backend
 from backend.lora.batch import add_lora, lora_batch
 from backend.lora.slots import LoRABatch
 from backend.model.architecture import ModelArchitecture
@@ -87,10 +88,10 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference", layer: int = 0) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.layer = layer                           # for LoRA: which layer's adapter weights apply
-        self.attention_backend = attention_backend   # resolved by the model runner (kernels.resolve_backend)
+        self.attention_backend = attention_backend   # the model's (CausalLM)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -103,7 +104,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata,
-                plan: kernels.CpuAttentionPlan | None = None) -> torch.Tensor:
+                plan: AttentionPlan | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         add_lora(qkv, x, self.layer, "qkv")
         if self.layer_ops is not None:
@@ -113,9 +114,7 @@ class Attention(nn.Module):
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q = self._rope_and_cache(qkv, cos, sin, key_cache, value_cache, meta, plan)
-        o = kernels.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
-                                    backend=self.attention_backend, plan=plan)
+        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)
         add_lora(out, o, self.layer, "o")
@@ -123,7 +122,7 @@ class Attention(nn.Module):
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, meta: AttentionMetadata,
-                        plan: kernels.CpuAttentionPlan | None) -> torch.Tensor:
+                        plan: AttentionPlan | None) -> torch.Tensor:
         """The torch path (the reference of the fused one): q/k norms, RoPE, K/V written to the
         cache. Returns q [tokens, num_heads, head_dim]."""
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
@@ -137,8 +136,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=self.attention_backend,
-                                  plan=plan)
+        self.attention_backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, plan)
         return q
 
 
@@ -168,7 +166,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture, attention_backend: str, layer: int = 0) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, attention_backend, layer)
@@ -180,9 +178,13 @@ class CausalLM(nn.Module):
     """Parameter names mirror transformers' (``model.layers.N...``), except the fused
     ``qkv_proj`` / ``gate_up_proj``, so checkpoints map with a small rename table."""
 
-    def __init__(self, arch: ModelArchitecture, attention_backend: str = "reference") -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend | str = "reference") -> None:
+        """``attention_backend``: the object the model runner resolved (``attention_backend_for``),
+        or a resolved backend's name."""
         super().__init__()
         self.arch = arch
+        # One stateless object shared by every layer.
+        attention_backend = as_attention_backend(attention_backend)
         self.attention_backend = attention_backend
         self.model = nn.Module()
         # Given its weight, nn.Embedding skips its random init (on meta tensors, another import
@@ -216,9 +218,7 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(meta.positions, h.dtype)
         # Gather indices etc. derived from the block tables once per step, reused by every layer.
-        plan = kernels.plan_attention(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
-                                      kv_caches[0][0].shape[1], self.attention_backend,
-                                      self.sdpa_prompt_min_tokens)
+        plan = self.attention_backend.plan(meta, kv_caches[0][0].shape[1], self.sdpa_prompt_min_tokens)
         if self.layer_ops is not None:
             # All layers in one C call where it applies; the Python loop of the same kernels
             # otherwise.
@@ -236,7 +236,7 @@ class CausalLM(nn.Module):
         return F.linear(h, weight).float()
 
     def _decoder_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: kernels.CpuAttentionPlan | None,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: AttentionPlan | None,
                        ) -> None:
         """The layer loop above with each residual add fused into the next RMSNorm (one pass
         each, C or Triton: ``self.layer_ops``); ``h`` ends as the same residual stream."""
@@ -256,22 +256,16 @@ class CausalLM(nn.Module):
 
     def use_fused_layer_ops(self, enabled: bool) -> str | None:
         """Fuse RMSNorm with the residual add, RoPE with the K/V cache write and the MLP's SiLU
-        with its product where they apply (no q/k norm): in C (kernels/csrc/layer_ops.c) with the
-        ``cpu`` attention backend, in float32 or bfloat16, the C library built; in Triton
-        (kernels/triton_layer_ops.py) with the ``triton`` one. Returns which (``"c"``, ``"triton"``)
-        or None: the torch ops above run, the reference of both. With the C ops, the layer loop
-        itself runs in C too (``self.cpu_decoder``, backend/model/cpu_decoder.py; projections
-        other than our C kernel are called back from it)."""
-        dtype = self.model.embed_tokens.weight.dtype
+        with its product where they apply (no q/k norm), as the attention backend's ``layer_ops``
+        has them: in C (kernels/csrc/layer_ops.c) with the ``cpu`` backend, in float32 or bfloat16,
+        the C library built; in Triton (kernels/triton_layer_ops.py) with the ``triton`` one.
+        Returns which (``"c"``, ``"triton"``) or None: the torch ops above run, the reference of
+        both. With the C ops, the layer loop itself runs in C too (``self.cpu_decoder``,
+        backend/model/cpu_decoder.py; projections other than our C kernel are called back from it)."""
+        weight = self.model.embed_tokens.weight
         ops = None
         if enabled and not self.arch.qk_norm:
-            if (self.attention_backend == "cpu" and dtype in cpu_native.LAYER_OPS_SUFFIXES
-                    and self.model.embed_tokens.weight.device.type == "cpu" and cpu_native.load() is not None):
-                ops = cpu_native
-            elif self.attention_backend == "triton":
-                from kernels import triton_layer_ops   # imported on first use, as the attention kernels are
-                if dtype in triton_layer_ops.DTYPES:
-                    ops = triton_layer_ops
+            ops = self.attention_backend.layer_ops(weight.dtype, weight.device)
         self.layer_ops = ops
         for layer in self.model.layers:
             layer.self_attn.layer_ops = ops

@@ -12,6 +12,7 @@ from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import Int8Linear, replace_linears
 from backend.model.llama import CausalLM, rope_inverse_frequencies
 from backend.model.registry import family_of
+from kernels.attention_backend import AttentionBackend
 
 
 def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -27,7 +28,7 @@ def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, attention_backend: str = "reference",
+               load_format: str = "auto", seed: int = 0, attention_backend: AttentionBackend | str = "reference",
                cpu_linear: str = "torch", quantization: str = "none", fused_layer_ops: bool = False,
                onednn_batch_hint: int | None = None) -> CausalLM:
     """``cpu_linear``, ``onednn_batch_hint``: a resolved choice

@@ -1,8 +1,8 @@
 """Turns a scheduled step into one packed forward pass and returns next-token logits.
 
 Owns the model weights, the per-layer KV tensors ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` (block ids come from the KV-cache manager), the step's input buffers and, on
-CUDA, the captured decode graphs.
+head_dim]`` (sized by backend/worker/kv_cache_sizing.py; block ids come from the KV-cache
+manager), the step's input buffers and, on CUDA, the captured decode graphs.
 
 Per-step host work is kept small: the step's ids, positions, slots and block tables are
 written with numpy into preallocated (pinned, on CUDA) host buffers and copied to
@@ -21,8 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-import kernels
-from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from backend.config import EngineConfig
 from backend.core.kv_cache_utils import cdiv
 from backend.core.request import Request
 from backend.lora.registry import MULTI_LORA_FILE
@@ -35,8 +34,10 @@ from backend.model.loader import load_model
 from backend.model.prefill_attention_choice import choose_prefill_attention
 from backend.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_token_sizes
 from backend.worker import timing_cache
+from backend.worker.kv_cache_sizing import KVCacheLayout, blocks_from_budget
 from backend.worker.step_buffers import StepBuffers
 from kernels import cpu_native
+from kernels.attention_backend import AttentionBackendKind, attention_backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ModelRunner:
             logger.info("CPU engine: %d threads", configure_cpu_threads(config))
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config, arch)
-        self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.attention = attention_backend_for(config.attention_backend, self.device)
         linear_choice = choose_cpu_linear(config.cpu_linear, self.dtype, arch, self.device.type == "cpu",
                                           config.max_num_seqs, config.quantization)
         self.cpu_linear = linear_choice.path
@@ -124,11 +125,11 @@ class ModelRunner:
                 f" ({linear_choice.why})")
             logger.info("%s", self.startup_notes[-1])
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
-                                self.attention_backend, self.cpu_linear, config.quantization, config.fused_layer_ops,
+                                self.attention, self.cpu_linear, config.quantization, config.fused_layer_ops,
                                 self.onednn_batch_hint)
-        self.prefill_attention = choose_prefill_attention(config.cpu_prefill_attention, self.dtype, arch,
-                                                          self.block_size,
-                                                          self.device.type == "cpu" and self.attention_backend == "cpu")
+        self.prefill_attention = choose_prefill_attention(
+            config.cpu_prefill_attention, self.dtype, arch, self.block_size,
+            self.device.type == "cpu" and self.attention.honours_sdpa_choice)
         self.model.sdpa_prompt_min_tokens = self.prefill_attention.sdpa_min_tokens
         if self.device.type == "cpu":
             self.startup_notes.append(f"prompt attention: {self.prefill_attention.describe()}")
@@ -159,12 +160,15 @@ class ModelRunner:
         if (Path(config.model) / MULTI_LORA_FILE).exists():
             self._make_lora_slots()
 
+        self.kv_layout = KVCacheLayout(arch, self.block_size, self.dtype, self.device)
         self.num_blocks, kv_source = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
-                                      else self._blocks_from_budget())
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+                                      else blocks_from_budget(config, self.kv_layout, self.model,
+                                                              min(self.max_tokens, self.max_model_len),
+                                                              self.max_logits_rows()))
+        self.kv_caches = self.kv_layout.allocate(self.num_blocks)
         self.startup_notes.append(
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
-            f"({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB, {kv_source})")
+            f"({self.num_blocks * self.kv_layout.bytes_per_block / 2**30:.2f} GiB, {kv_source})")
         logger.info("%s", self.startup_notes[-1])
 
         # Test hook: called with the requests of every batch about to be packed; raising in
@@ -172,9 +176,9 @@ class ModelRunner:
         self.fault_hook: Callable[[list[Request]], None] | None = None
 
         self.decode_graphs: DecodeGraphs | None = None
-        # The reference attention syncs with the host (it loops over sequences), which a
-        # CUDA graph cannot capture: graphs go with the Triton kernels only.
-        if on_cuda and not config.enforce_eager and self.attention_backend == "triton":
+        # Only a backend whose forward never syncs with the host can be captured
+        # (AttentionBackend.supports_cuda_graphs): the reference one loops over sequences.
+        if on_cuda and not config.enforce_eager and self.attention.supports_cuda_graphs:
             start = time.perf_counter()
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, capture_sizes(self.max_seqs),
                                               self.max_model_len, capture=True, lora=self.lora_slots)
@@ -183,7 +187,7 @@ class ModelRunner:
         elif on_cuda:
             self.startup_notes.append("decode steps run eagerly ("
                                       + ("enforce_eager=true" if config.enforce_eager else
-                                         f"attention backend {self.attention_backend}: no graphs") + ")")
+                                         f"attention backend {self.attention.name}: no graphs") + ")")
         if on_cuda:
             logger.info("%s", self.startup_notes[-1])
         self.mixed_graphs: MixedGraphs | None = None
@@ -196,6 +200,11 @@ class ModelRunner:
                                       f"counts {sizes} in {time.perf_counter() - start:.1f} s")
             logger.info("%s", self.startup_notes[-1])
 
+    @property
+    def attention_backend(self) -> AttentionBackendKind:
+        """The resolved attention backend's kind (a str enum: equal to its config string)."""
+        return self.attention.name
+
     def _cpu_decoder_note(self) -> str:
         """The start-up log's word on the C layer loop: whether it runs, and which projections
         it calls back (backend/model/cpu_decoder.py)."""
@@ -207,7 +216,7 @@ class ModelRunner:
                 + (f" ({called_back} projections called back to their modules)" if called_back else ""))
 
     def _make_lora_slots(self) -> LoRASlots:
-        backend = LoRABackend.for_attention_backend(self.attention_backend)
+        backend = LoRABackend.for_attention_backend(self.attention.name)
         self.lora_slots = LoRASlots(self.config.max_loras, self.config.max_lora_rank, self.max_tokens, self.arch,
                                     self.dtype, self.device, backend)
         logger.info("LoRA: %d adapter slots, %s backend", self.config.max_loras, backend.value)
@@ -224,7 +233,7 @@ class ModelRunner:
             "source": timing_cache.source_digest(),
             "model_config": hashlib.sha256((Path(self.config.model) / "config.json").read_bytes()).hexdigest(),
             "dtype": str(self.dtype),
-            "attention_backend": self.attention_backend,
+            "attention_backend": self.attention.name.value,
             "cpu_linear": self.cpu_linear,
             "sdpa_prompt_min_tokens": self.model.sdpa_prompt_min_tokens,
             "onednn_batch_hint": self.onednn_batch_hint,
@@ -240,79 +249,13 @@ class ModelRunner:
             "max_seqs": self.max_seqs,
         }
 
-    # ---- memory ------------------------------------------------------------------------------
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(key, value) per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        Left uninitialised: every kernel reads only the slots of a sequence's own tokens, which
-        are written first (the kernel tests fill every other slot with NaN). Zeroing the default
-        1 GiB CPU cache is a noticeable part of a CPU start-up."""
-        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(self.arch.num_layers)]
-
-    @property
-    def bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.arch.num_layers * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * element
-
-    def _blocks_from_budget(self) -> tuple[int, str]:
-        """The KV blocks the budget holds, and where the budget came from (for the start-up log)."""
-        budget, source = self.config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        if budget is None:
-            if self.device.type == "cuda":
-                budget, source = self._cuda_kv_budget()
-            else:
-                budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "the CPU default budget"
-        num_blocks = budget // self.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
-        return int(num_blocks), source
-
-    def _cuda_kv_budget(self) -> tuple[int, str]:
-        """gpu_memory_utilization x the memory free once the weights are loaded, less the
-        activation peak of a full-budget step (measured by running one); and how it was found."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        activation_peak = self._profile_activation_peak()
-        budget = int(free * self.config.gpu_memory_utilization) - activation_peak
-        return budget, (f"free after weights {free / 2**30:.2f} GiB x gpu_memory_utilization "
-                        f"{self.config.gpu_memory_utilization:.2f}, less an activation peak of "
-                        f"{activation_peak / 2**30:.2f} GiB")
-
+    # ---- step limits -------------------------------------------------------------------------
     def max_logits_rows(self) -> int:
         """The most logits rows a step can have: one per sequence, plus one per draft when
         speculation is on."""
         drafts = (self.config.num_speculative_tokens * min(self.max_seqs, self.config.speculative_max_batch_size)
                   if self.config.speculative_method != "none" else 0)
         return min(self.max_seqs + drafts, self.max_tokens)
-
-    @torch.inference_mode()
-    def _profile_activation_peak(self) -> int:
-        """Peak memory of the largest step: one sequence of max_num_batched_tokens tokens
-        with a throwaway cache just big enough, and as many logits rows as a step can have."""
-        num_tokens = min(self.max_tokens, self.max_model_len)
-        num_blocks = cdiv(num_tokens, self.block_size)
-        caches = self._allocate_kv_caches(num_blocks)
-        torch.cuda.synchronize(self.device)
-        baseline = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        device = self.device
-        num_logits = min(self.max_logits_rows(), num_tokens)
-        meta = AttentionMetadata(
-            positions=torch.arange(num_tokens, device=device),
-            slot_mapping=torch.arange(num_tokens, device=device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-            logits_indices=torch.arange(num_tokens - num_logits, num_tokens, device=device),
-            max_query_len=num_tokens, max_seq_len=num_tokens)
-        self.model(torch.zeros(num_tokens, dtype=torch.int64, device=device), meta, caches)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - baseline
-        del caches
-        torch.cuda.empty_cache()
-        return int(peak)
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, requests: list[Request], num_scheduled: dict[str, int], block_ids: dict[str, list[int]],
