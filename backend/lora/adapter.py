@@ -27,6 +27,7 @@ MAX_RANK = 64
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
@@ -110,6 +111,10 @@ class LoRAAdapter:
         weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.search(key)
+            if arch.moe is not None and (".experts." in key or ".block_sparse_moe." in key or ".mlp.gate." in key or (
+                    match is not None and match.group(2) in MLP_MODULES and arch.is_moe_layer(int(match.group(1))))):
+                raise refuse(f"tensor {key!r}: LoRA on a mixture-of-experts layer's experts or router is not "
+                             "supported (adapters on the attention projections are)")
             if match is None or match.group(2) not in TARGETS:
                 raise refuse(f"unexpected tensor {key!r} (only q/k/v/o and gate/up/down projections)")
             layer = int(match.group(1))

@@ -6,8 +6,36 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from backend.model.registry import family_of
+from backend.model.registry import ModelFamily, family_of
+
+
+@dataclass(frozen=True)
+class MoEArchitecture:
+    """A mixture-of-experts feed-forward: each token goes to ``top_k`` of ``num_experts``
+    SwiGLU experts of ``intermediate_size``; layers in ``dense_layers`` keep a dense MLP."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool               # the top-k routing weights rescaled to sum to 1
+    dense_layers: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], family: ModelFamily) -> "MoEArchitecture | None":
+        """Mixtral's and Qwen-MoE's keys (``num_local_experts`` / ``num_experts``,
+        ``moe_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step``,
+        ``mlp_only_layers``)."""
+        num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        if not family.moe or not num_experts:
+            return None
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = {i for i in range(cfg["num_hidden_layers"])
+                 if i in set(cfg.get("mlp_only_layers") or ()) or (i + 1) % step != 0}
+        return cls(num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
+                   intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                   renormalize=bool(cfg.get("norm_topk_prob", family.moe_renormalize_default)),
+                   dense_layers=frozenset(dense))
 
 
 @dataclass(frozen=True)
@@ -29,6 +57,10 @@ class ModelArchitecture:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float
+    moe: MoEArchitecture | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelArchitecture":
@@ -64,4 +96,5 @@ class ModelArchitecture:
             qkv_bias=family.qkv_bias or cfg.get("attention_bias", False),
             qk_norm=family.qk_norm,
             initializer_range=cfg.get("initializer_range", 0.02),
+            moe=MoEArchitecture.from_config(cfg, family),
         )

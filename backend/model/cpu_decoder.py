@@ -56,6 +56,8 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return "the fused C layer ops are off (or q/k norms, which they do not cover)"
     if dtype not in LINEAR_TYPES:
         return f"no C decoder for {dtype}"
+    if model.arch.moe is not None:
+        return "mixture-of-experts layers (the C layer loop knows the dense MLP only)"
     return None
 
 

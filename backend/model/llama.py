@@ -166,12 +166,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int = 0) -> None:
+    def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, attention_backend, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, layer)
+        self.mlp = mlp
 
 
 class CausalLM(nn.Module):
@@ -191,7 +192,8 @@ class CausalLM(nn.Module):
         # of torch._dynamo; see rope_inverse_frequencies): the loader fills the weight anyway.
         self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                                _weight=torch.empty(arch.vocab_size, arch.hidden_size))
-        self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend, i) for i in range(arch.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend, i, self.make_mlp(arch, i))
+                                          for i in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
@@ -201,6 +203,10 @@ class CausalLM(nn.Module):
         # (None: none; the model runner's start-up choice, backend/model/prefill_attention_choice.py).
         self.sdpa_prompt_min_tokens: int | None = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
+
+    def make_mlp(self, arch: ModelArchitecture, layer: int) -> nn.Module:
+        """The feed-forward of one layer: a family's hook (backend/model/moe.py)."""
+        return MLP(arch, layer)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)

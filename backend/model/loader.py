@@ -4,14 +4,13 @@ projections), or random weights from its config.json (``load_format="dummy"``)."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import Int8Linear, replace_linears
 from backend.model.llama import CausalLM, rope_inverse_frequencies
-from backend.model.registry import family_of
+from backend.model.registry import ModelFamily, family_of
 from kernels.attention_backend import AttentionBackend
 
 
@@ -52,7 +51,7 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
                     values = torch.randn(param.shape, generator=generator, device=device)
                     param.copy_(values.mul_(arch.initializer_range))
     else:
-        _load_checkpoint(model, _checkpoint_tensors(folder), family.fused_weights)
+        _load_checkpoint(model, _checkpoint_tensors(folder), family)
     # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
     if quantization == "int8":
@@ -66,23 +65,36 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     return model.eval()
 
 
-def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor],
-                     fused_weights: Mapping[str, tuple[str, ...]]) -> None:
+def _checkpoint_sources(name: str, param: torch.Tensor, family: ModelFamily) -> tuple[list[list[str]], bool]:
+    """The checkpoint tensors behind one of our parameters, as groups whose parts concatenate
+    along dim 0 (fused projections), and whether the groups stack (one per expert)."""
+    for ours, parts in family.expert_weights.items():
+        if name.endswith(ours):
+            prefix = name[:-len(ours)]
+            return [[prefix + part.format(expert) for part in parts] for expert in range(param.shape[0])], True
+    for ours, theirs in family.renamed_weights.items():
+        name = name.replace(ours, theirs)
+    for fused, parts in family.fused_weights.items():
+        if fused + "." in name:
+            return [[name.replace(fused, part) for part in parts]], False
+    return [[name]], False
+
+
+def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor], family: ModelFamily) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, param in params.items():
-        sources = [name]
-        for fused, parts in fused_weights.items():
-            if fused + "." in name:
-                sources = [name.replace(fused, part) for part in parts]
-        missing = [s for s in sources if s not in tensors]
+        groups, stacked = _checkpoint_sources(name, param, family)
+        missing = [s for group in groups for s in group if s not in tensors]
         if missing:
-            raise KeyError(f"checkpoint lacks {missing} (needed for {name})")
-        value = torch.cat([tensors[s] for s in sources], dim=0) if len(sources) > 1 else tensors[sources[0]]
+            raise KeyError(f"checkpoint lacks {missing[:4]} (needed for {name})")
+        parts = [torch.cat([tensors[s] for s in group], dim=0) if len(group) > 1 else tensors[group[0]]
+                 for group in groups]
+        value = torch.stack(parts) if stacked else parts[0]
         if value.shape != param.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
         param.data.copy_(value)
-        loaded.update(sources)
+        loaded.update(s for group in groups for s in group)
     ignored = {k for k in tensors if k not in loaded and not k.endswith("rotary_emb.inv_freq")}
     if model.lm_head is None:
         ignored.discard("lm_head.weight")  # tied: some checkpoints store the copy anyway

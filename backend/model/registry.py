@@ -22,6 +22,18 @@ LLAMA_FUSED_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 })
 
 
+# Mixture-of-experts checkpoints keep one tensor per expert and projection; our experts are
+# stacked ``[experts, ...]`` parameters (gate and up fused). Ours -> the parts of expert ``{}``.
+QWEN_MOE_EXPERT_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "mlp.experts_gate_up": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
+    "mlp.experts_down": ("mlp.experts.{}.down_proj.weight",),
+})
+MIXTRAL_EXPERT_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "mlp.experts_gate_up": ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight"),
+    "mlp.experts_down": ("block_sparse_moe.experts.{}.w2.weight",),
+})
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     model_type: str
@@ -35,18 +47,27 @@ class ModelFamily:
     # Its tokenizer is exactly tokenizer.json when tokenizer_config.json names the generic class
     # (transformers remaps no such model type; tests/test_detokenizer.py checks it).
     plain_tokenizer: bool = False
+    moe: bool = False                            # MoE feed-forward (backend/model/moe.py) where config.json has experts
+    moe_renormalize_default: bool = True         # without norm_topk_prob in config.json
+    expert_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # see QWEN_MOE_EXPERT_WEIGHTS
+    renamed_weights: Mapping[str, str] = field(default_factory=dict)   # our name -> the checkpoint's
 
     def model_class(self) -> Any:
         return getattr(importlib.import_module(self.module), self.class_name)
 
 
 _LLAMA_MODULE = ("backend.model.llama", "CausalLM")
+_MOE_MODULE = ("backend.model.moe", "MoECausalLM")
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: family for family in (
     ModelFamily("llama", *_LLAMA_MODULE, plain_tokenizer=True),
     ModelFamily("mistral", *_LLAMA_MODULE, window_limits_context=True),
     ModelFamily("qwen2", *_LLAMA_MODULE, qkv_bias=True),
     ModelFamily("qwen3", *_LLAMA_MODULE, qk_norm=True),
+    ModelFamily("qwen3_moe", *_MOE_MODULE, qk_norm=True, moe=True, moe_renormalize_default=False,
+                expert_weights=QWEN_MOE_EXPERT_WEIGHTS),
+    ModelFamily("mixtral", *_MOE_MODULE, window_limits_context=True, moe=True,
+                expert_weights=MIXTRAL_EXPERT_WEIGHTS, renamed_weights={"mlp.gate.": "block_sparse_moe.gate."}),
 )})
 
 
