@@ -110,9 +110,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
         """Causal attention of the packed queries ``[num_tokens, num_heads, head_dim]`` over the
-        paged cache (``paged_attention_reference``'s contract)."""
+        paged cache, within a sliding ``window`` of keys where given
+        (``paged_attention_reference``'s contract)."""
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The fused layer ops (residual add + RMSNorm, RoPE + K/V write, SiLU x up) that go with
@@ -131,9 +132,9 @@ class ReferenceAttention(AttentionBackend):
         reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
         return paged_attention_reference(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                                         step.block_tables, scale)
+                                         step.block_tables, scale, window)
 
 
 class CpuAttention(AttentionBackend):
@@ -153,7 +154,12 @@ class CpuAttention(AttentionBackend):
             reshape_and_cache_cpu(key, value, key_cache, value_cache, plan)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
+        if window is not None and _longest_sequence(step) > window:
+            # The C kernels attend every key of a sequence: a step whose sequences outgrew the
+            # window goes through the reference, which slices each one to its window.
+            return paged_attention_reference(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
+                                              step.block_tables, scale, window)
         if plan is None:
             # Attention alone writes nothing: the slots only matter to write_kv.
             plan = plan_attention_cpu(step.query_start_loc, step.seq_lens, step.block_tables,
@@ -166,6 +172,10 @@ class CpuAttention(AttentionBackend):
         if dtype in cpu_native.LAYER_OPS_SUFFIXES and device.type == "cpu" and cpu_native.load() is not None:
             return cpu_native
         return None
+
+
+def _longest_sequence(step: StepLayout) -> int:
+    return step.max_seq_len if step.max_seq_len is not None else int(step.seq_lens.max())
 
 
 def _triton_attention() -> ModuleType:
@@ -184,9 +194,10 @@ class TritonAttention(AttentionBackend):
         _triton_attention().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
         return _triton_attention().paged_attention(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                                                   step.block_tables, scale, step.max_query_len, step.max_seq_len)
+                                                   step.block_tables, scale, step.max_query_len, step.max_seq_len,
+                                                   window=window)
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The Triton layer ops (kernels/triton_layer_ops.py), imported on first use as the

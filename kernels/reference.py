@@ -8,6 +8,9 @@ Layout
   owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are its *last*
   ``n_i`` tokens of ``seq_lens[i]`` in total, so the first ``seq_lens[i] - n_i`` tokens
   are context already in the cache (prefix hit, earlier chunk, or earlier decodes).
+- A sliding window of ``W`` keys: the query at position ``p`` sees keys ``p - W + 1 .. p``
+  (transformers' convention). Block-table entries of blocks wholly before every query's
+  window may point anywhere (the KV manager releases such blocks): they are never read.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cach
 
 def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                              block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                              block_tables: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` over K/V read
-    only from the paged cache (grouped-query: ``num_heads`` a multiple of ``num_kv_heads``).
-    Softmax in float32; the output has the query's dtype."""
+    only from the paged cache (grouped-query: ``num_heads`` a multiple of ``num_kv_heads``),
+    within a sliding ``window`` of keys where given. Softmax in float32; the output has the
+    query's dtype."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -44,19 +48,26 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
         num_queries = q_end - q_start
         if num_queries == 0:
             continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        context_len = seq_len - num_queries
+        # Keys from the first one the first query sees: whole blocks before it are not read.
+        first_key = 0 if window is None else max(0, context_len - window + 1)
+        first_block, num_blocks = first_key // block_size, -(-seq_len // block_size)
+        blocks = block_tables[i, first_block:num_blocks].long()
+        skip = first_key - first_block * block_size
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[skip:seq_len - first_block * block_size].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[skip:seq_len - first_block * block_size].float()
         k = k.repeat_interleave(group, dim=1)                        # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].float()                              # [num_queries, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale           # [num_heads, num_queries, seq_len]
-        # Query j sits at absolute position context_len + j and sees keys 0..context_len + j.
-        context_len = seq_len - num_queries
+        # Query j sits at absolute position context_len + j and sees keys 0..context_len + j
+        # (the last ``window`` of them).
         q_pos = torch.arange(num_queries, device=query.device).unsqueeze(1) + context_len
-        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(first_key, seq_len, device=query.device).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -103,12 +103,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 # ---- attention -------------------------------------------------------------------------------
 # The batch's counts change every step: left unspecialised (Triton would otherwise compile a
 # variant per "== 1" / "divisible by 16" combination as they first occur, mid-serving).
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "window"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    scale, num_seqs, num_tokens,
+    scale, num_seqs, num_tokens, window,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_block_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
@@ -156,16 +156,19 @@ def _paged_attention_kernel(
     q = tl.load(query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
-    # Keys this tile can see: up to the position of its last query (causal).
+    # Keys this tile can see: up to the position of its last query (causal), from the first
+    # key its first query's sliding window holds (window > 0; 0: every key).
     last_query = tl.minimum(local_tile * BLOCK_Q + BLOCK_Q, num_queries) - 1
     num_keys = context_len + last_query + 1
+    first_key = tl.where(window > 0, tl.maximum(context_len + local_tile * BLOCK_Q - window + 1, 0), 0)
+    first_key_tile = first_key // BLOCK_N
     num_key_tiles = tl.cdiv(num_keys, BLOCK_N)
     if NUM_SPLITS == 1:
-        key_tile_lo = 0
+        key_tile_lo = first_key_tile
         key_tile_hi = num_key_tiles
     else:
-        tiles_per_split = tl.cdiv(num_key_tiles, NUM_SPLITS)
-        key_tile_lo = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_key_tiles - first_key_tile, NUM_SPLITS)
+        key_tile_lo = first_key_tile + split * tiles_per_split
         key_tile_hi = tl.minimum(key_tile_lo + tiles_per_split, num_key_tiles)
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -174,7 +177,8 @@ def _paged_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for key_tile in range(key_tile_lo, key_tile_hi):
         key_pos = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_valid = key_pos < num_keys
+        # Keys before the window are not even loaded: their blocks may have been released.
+        key_valid = (key_pos < num_keys) & (key_pos >= first_key)
         physical_block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         key_offset = (physical_block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_offset
                       + kv_head * stride_cache_head)
@@ -189,6 +193,7 @@ def _paged_attention_kernel(
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        visible = visible & ((window <= 0) | (key_pos[None, :] > query_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -286,8 +291,10 @@ def _num_sms(device: torch.device) -> int:
 
 def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                       scale: float, plan: LaunchPlan, out: torch.Tensor) -> list[KernelLaunch]:
-    """The attention launch, then the split merge when the plan splits the keys."""
+                       scale: float, plan: LaunchPlan, out: torch.Tensor, window: int | None = None,
+                       ) -> list[KernelLaunch]:
+    """The attention launch, then the split merge when the plan splits the keys. ``window``:
+    a sliding window of keys (kernels/reference.py), None for every key."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
@@ -309,7 +316,7 @@ def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache
         _paged_attention_kernel, (num_tiles, num_kv_heads, plan.num_splits),
         (out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
          partial_out, partial_max, partial_sum,
-         scale, num_seqs, num_tokens,
+         scale, num_seqs, num_tokens, window or 0,
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
         dict(NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
@@ -337,8 +344,9 @@ def _dot_in_fp32(query: torch.Tensor) -> bool:
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_query_len: int | None = None, max_seq_len: int | None = None,
-                    plan: LaunchPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Drop-in for ``paged_attention_reference``. ``max_query_len`` / ``max_seq_len`` are
+                    plan: LaunchPlan | None = None, out: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """Drop-in for ``paged_attention_reference`` (``window`` included). ``max_query_len`` / ``max_seq_len`` are
     host-side bounds (the model runner knows them); without them they are read from the
     tensors, which costs a device sync. ``plan`` overrides the tile shapes (tests, CUDA
     graphs); ``out`` receives the result when given."""
@@ -356,6 +364,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query_len, max_seq_len,
                            _num_sms(query.device), interpreter=query.device.type == "cpu")
     for launch in attention_launches(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                                     scale, plan, out):
+                                     scale, plan, out, window):
         launch()
     return out

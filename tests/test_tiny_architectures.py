@@ -96,6 +96,17 @@ def test_the_registry_names_every_family_and_refuses_the_rest(tmp_path: Path) ->
         arch = ModelArchitecture.from_folder(tmp_path)
         assert (arch.qkv_bias, arch.qk_norm) == (expect["qkv_bias"], expect["qk_norm"]), model_type
         assert family_of(model_type).model_type == model_type
+    # mistral's window on every layer; qwen2's on the layers its layer_types name (as
+    # transformers reads them); no window, no windowed layer.
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 64,
                                                        "max_position_embeddings": 4096}))
-    assert ModelArchitecture.from_folder(tmp_path).max_position_embeddings == 64
+    arch = ModelArchitecture.from_folder(tmp_path)
+    assert (arch.max_position_embeddings, arch.layer_windows, arch.release_window) == (4096, (64,), 64)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3, "model_type": "qwen2",
+                                                       "sliding_window": 32, "layer_types": [
+                                                           "full_attention", "sliding_attention",
+                                                           "sliding_attention"]}))
+    arch = ModelArchitecture.from_folder(tmp_path)
+    assert (arch.layer_windows, arch.release_window) == ((None, 32, 32), None)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2", "sliding_window": 32}))
+    assert ModelArchitecture.from_folder(tmp_path).layer_windows == (None,)

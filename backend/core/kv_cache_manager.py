@@ -33,13 +33,24 @@ class KVCacheBlocks:
         return [block.block_id for block in self.blocks]
 
 
+# Stands in a request's block list for a block released out of every layer's sliding window:
+# its block-table entry is never read (the kernels start at the window), and it is not the
+# pool's (block 0 belongs to whoever holds it).
+RELEASED = KVBlock(block_id=0)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 release_window: int | None = None) -> None:
+        """``release_window``: no layer reads a key this many positions or more before the query
+        (every layer windowed), so blocks wholly before it are released as requests advance."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.release_window = release_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}   # leading blocks of a request already hashed into the cache
+        self._num_released: dict[str, int] = {}     # leading blocks of a request released (RELEASED)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -134,9 +145,30 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_registered[request.request_id] = max(start, end)
 
+    def release_outside_window(self, request: Request) -> int:
+        """Free the request's leading blocks that no later query reads: the next query sits at
+        ``num_computed_tokens`` and sees keys after ``num_computed_tokens - release_window``.
+        A released block keeps its prefix-cache entry (its K/V are still those of its prefix).
+        Returns how many blocks were released."""
+        if self.release_window is None:
+            return 0
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        unread = max(0, request.num_computed_tokens - self.release_window + 1) // self.block_size
+        start = self._num_released.get(request.request_id, 0)
+        if unread <= start:
+            return 0
+        freed = blocks[start:unread]
+        blocks[start:unread] = [RELEASED] * len(freed)
+        self._num_released[request.request_id] = unread
+        self.pool.free(list(reversed(freed)))
+        return len(freed)
+
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
+        blocks = [b for b in self.req_blocks.pop(request.request_id, []) if b is not RELEASED]
         self._num_registered.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
         # Blocks past the computed tokens were registered when they were allocated, because
         # the step's forward pass fills them; a request freed before that pass ran (preempted
@@ -163,7 +195,8 @@ class KVCacheManager:
 
     def computed_blocks(self, request: Request) -> KVCacheBlocks:
         """The request's blocks whose K/V it reads as already computed."""
-        return KVCacheBlocks(tuple(self.blocks_of(request.request_id)[:request.num_computed_tokens // self.block_size]))
+        blocks = self.blocks_of(request.request_id)[:request.num_computed_tokens // self.block_size]
+        return KVCacheBlocks(tuple(b for b in blocks if b is not RELEASED))
 
     def check_invariants(self, live_requests: dict[str, Request]) -> None:
         self.pool.check_invariants()
@@ -175,7 +208,10 @@ class KVCacheManager:
             if len(blocks) < cdiv(request.num_computed_tokens, self.block_size):
                 raise AssertionError(f"{request_id}: {len(blocks)} blocks cannot hold "
                                      f"{request.num_computed_tokens} computed tokens")
-            for block in blocks:
+            released = self._num_released.get(request_id, 0)
+            if any(b is RELEASED for b in blocks[released:]) or any(b is not RELEASED for b in blocks[:released]):
+                raise AssertionError(f"{request_id}: released blocks are not exactly its first {released}")
+            for block in blocks[released:]:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             if block.ref_count != refs.get(block.block_id, 0):

@@ -109,6 +109,12 @@ class Scheduler:
         if self.config.batching == "static" and not self.running:
             self._form_static_batch()
 
+        if self.kv_cache.release_window is not None:
+            # Blocks that slid out of every layer's window go back to the pool before this
+            # step allocates (counters are settled here: drafts rejected last step are undone).
+            for request in self.running:
+                self.kv_cache.release_outside_window(request)
+
         # 1. Every running decode gets its token (preempting others when blocks run out).
         partial_prefills: list[Request] = []
         for request in list(self.running):

@@ -49,7 +49,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.runner = ModelRunner(config, self.arch)
         self.max_model_len = self.runner.max_model_len
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                       self.arch.release_window)
         self.sampler = Sampler(config.seed)
         # The scheduler's clock when prefill chunks are sized to an ITL target.
         self.cost_model = cost_model

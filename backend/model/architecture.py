@@ -4,11 +4,45 @@ families of the model registry (backend/model/registry.py)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backend.model.registry import ModelFamily, family_of
+
+
+def rope_scaling_of(cfg: dict[str, Any], rope: dict[str, Any], rope_type: str) -> dict[str, Any] | None:
+    """config.json's RoPE scaling (None: plain RoPE). LongRoPE's (``longrope``, once ``su``)
+    comes resolved as transformers resolves it: ``original_max_position_embeddings`` (the
+    top-level key first, where Phi-3 keeps it) and the ``attention_factor`` that scales cos and
+    sin (by default sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings /
+    original or the given ``factor``; 1 where factor <= 1). Partial rotary is refused: our RoPE
+    (torch, C and Triton) rotates whole heads."""
+    partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {partial:g}: RoPE here rotates whole heads "
+                         "(partial rotary, as Phi-4-mini's 0.75, is not served)")
+    if rope_type == "default":
+        return None
+    if rope_type not in ("longrope", "su"):
+        return rope
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    for key in ("short_factor", "long_factor"):
+        if len(rope.get(key) or ()) != head_dim // 2:
+            raise ValueError(f"longrope {key} must list head_dim / 2 = {head_dim // 2} factors, "
+                             f"got {len(rope.get(key) or ())}")
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    original = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_pos / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**rope, "rope_type": "longrope", "original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
 
 
 @dataclass(frozen=True)
@@ -58,9 +92,22 @@ class ModelArchitecture:
     qk_norm: bool
     initializer_range: float
     moe: MoEArchitecture | None = None
+    # Per layer: its sliding window of keys, or None for full attention.
+    layer_windows: tuple[int | None, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def release_window(self) -> int | None:
+        """The window past which no layer reads a key (every layer windowed), so the KV blocks
+        wholly before it may be released; None when some layer attends every key."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return None
+        return max(self.layer_windows)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelArchitecture":
@@ -76,9 +123,6 @@ class ModelArchitecture:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 2048)
-        if family.window_limits_context and cfg.get("sliding_window"):
-            # Attention here is full-context: only serve what the sliding window would see.
-            max_pos = min(max_pos, cfg["sliding_window"])
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -90,11 +134,29 @@ class ModelArchitecture:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else rope,
+            rope_scaling=rope_scaling_of(cfg, rope, rope_type),
             max_position_embeddings=max_pos,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=family.qkv_bias or cfg.get("attention_bias", False),
             qk_norm=family.qk_norm,
             initializer_range=cfg.get("initializer_range", 0.02),
             moe=MoEArchitecture.from_config(cfg, family),
+            layer_windows=layer_windows(cfg, family),
         )
+
+
+def layer_windows(cfg: dict[str, Any], family: ModelFamily) -> tuple[int | None, ...]:
+    """Each layer's sliding window from config.json, as transformers reads it: ``layer_types``
+    where given ("sliding_attention" layers), else every layer for Mistral-style families, else
+    the layers from ``max_window_layers`` on when ``use_sliding_window`` is set."""
+    num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if not window:
+        return (None,) * num_layers
+    if cfg.get("layer_types"):
+        return tuple(window if kind == "sliding_attention" else None for kind in cfg["layer_types"])
+    if family.sliding_window_every_layer:
+        return (window,) * num_layers
+    if cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers

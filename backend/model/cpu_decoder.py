@@ -58,6 +58,8 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return f"no C decoder for {dtype}"
     if model.arch.moe is not None:
         return "mixture-of-experts layers (the C layer loop knows the dense MLP only)"
+    if any(window is not None for window in model.arch.layer_windows):
+        return "sliding-window layers (the C layer loop attends every key)"
     return None
 
 

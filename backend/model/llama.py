@@ -1,4 +1,4 @@
-"""Llama-family decoder (llama, mistral, qwen2, qwen3) over a packed batch with a paged KV cache.
+"""Llama-family decoder (llama, mistral, qwen2, qwen3, phi3) over a packed batch with a paged KV cache.
 
 One forward computes every scheduled token of every request at once; attention reads K/V
 only from the paged cache, through the model's ``AttentionBackend`` object
@@ -25,16 +25,24 @@ from backend.model.cpu_decoder import CpuDecoder
 from backend.model.cpu_linear import Float32Logits, linear_maker, replace_linears
 
 
-def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
+def rope_inverse_frequencies(arch: ModelArchitecture, long: bool = False) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2], float32. LongRoPE has two sets: its short
+    factors' (``long=False``) and its long factors' (``long=True``; see ``CausalLM.rope_cos_sin``
+    for which positions use which); the other types have one and ignore ``long``."""
     dim = arch.head_dim
     # On the CPU even inside a ``torch.device("meta")`` block (the loader's): arithmetic on meta
     # tensors runs through torch's Python decompositions, whose first call imports torch._dynamo
     # (a noticeable part of every engine start).
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    base_powers = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    inv_freq = 1.0 / base_powers
     scaling = arch.rope_scaling
     if scaling is None:
         return inv_freq
     rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "longrope":
+        # Each frequency divided by its factor, in transformers' order of operations.
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        return 1.0 / (factors * base_powers)
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
@@ -46,7 +54,7 @@ def rope_inverse_frequencies(arch: ModelArchitecture) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, longrope)")
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +108,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.window = arch.window_of(layer)        # sliding window of keys, None: every key
         self.layer_ops: ModuleType | None = None   # set by CausalLM.use_fused_layer_ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
@@ -114,7 +123,7 @@ class Attention(nn.Module):
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q = self._rope_and_cache(qkv, cos, sin, key_cache, value_cache, meta, plan)
-        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan)
+        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan, self.window)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)
         add_lora(out, o, self.layer, "o")
@@ -203,15 +212,36 @@ class CausalLM(nn.Module):
         # (None: none; the model runner's start-up choice, backend/model/prefill_attention_choice.py).
         self.sdpa_prompt_min_tokens: int | None = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(arch), persistent=False)
+        # LongRoPE (rope_cos_sin): the long factors' frequencies, for the positions from
+        # long_rope_from on, and the factor scaling cos and sin; None, None and 1 otherwise.
+        scaling = arch.rope_scaling or {}
+        longrope = scaling.get("rope_type") == "longrope"
+        self.register_buffer("long_inv_freq", rope_inverse_frequencies(arch, long=True) if longrope else None,
+                             persistent=False)
+        self.long_rope_from: int | None = int(scaling["original_max_position_embeddings"]) if longrope else None
+        self.rope_attention_factor = float(scaling["attention_factor"]) if longrope else 1.0
 
     def make_mlp(self, arch: ModelArchitecture, layer: int) -> nn.Module:
         """The feed-forward of one layer: a family's hook (backend/model/moe.py)."""
         return MLP(arch, layer)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
+        """cos/sin [tokens, head_dim] of each token's position, computed in float32 as
+        transformers does. LongRoPE picks per position: the short factors below
+        original_max_position_embeddings, the long ones from it on (transformers switches a whole
+        forward to the long ones once its last position reaches it: docs/models.md), both with
+        cos and sin scaled by the attention factor."""
+        inv_freq = self.inv_freq.float().unsqueeze(0)
+        if self.long_inv_freq is not None:
+            # No host sync and no shape change: CUDA graphs capture it like the rest.
+            inv_freq = torch.where(positions.unsqueeze(1) >= self.long_rope_from,
+                                   self.long_inv_freq.float().unsqueeze(0), inv_freq)
+        freqs = positions.float().unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_attention_factor != 1.0:
+            cos, sin = cos * self.rope_attention_factor, sin * self.rope_attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

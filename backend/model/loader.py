@@ -54,6 +54,8 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         _load_checkpoint(model, _checkpoint_tensors(folder), family)
     # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
+    if model.long_inv_freq is not None:          # LongRoPE's second set
+        model.long_inv_freq = rope_inverse_frequencies(arch, long=True).to(device)
     if quantization == "int8":
         # The decoder's projections only: the LM head stays in the model dtype (its rounding
         # would move every logit), and is packed below.

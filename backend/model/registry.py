@@ -42,8 +42,9 @@ class ModelFamily:
     fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FUSED_WEIGHTS)
     qkv_bias: bool = False                       # biases on q/k/v whatever config.json says
     qk_norm: bool = False                        # RMSNorm on each head of q and k before RoPE
-    window_limits_context: bool = False          # config's sliding_window caps the context served
-                                                 # (attention here is full-context)
+    # config.json's sliding_window applies to every layer (Mistral's convention); elsewhere
+    # only to the layers its layer_types (or use_sliding_window + max_window_layers) name.
+    sliding_window_every_layer: bool = False
     # Its tokenizer is exactly tokenizer.json when tokenizer_config.json names the generic class
     # (transformers remaps no such model type; tests/test_detokenizer.py checks it).
     plain_tokenizer: bool = False
@@ -61,12 +62,15 @@ _MOE_MODULE = ("backend.model.moe", "MoECausalLM")
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: family for family in (
     ModelFamily("llama", *_LLAMA_MODULE, plain_tokenizer=True),
-    ModelFamily("mistral", *_LLAMA_MODULE, window_limits_context=True),
+    ModelFamily("mistral", *_LLAMA_MODULE, sliding_window_every_layer=True),
     ModelFamily("qwen2", *_LLAMA_MODULE, qkv_bias=True),
     ModelFamily("qwen3", *_LLAMA_MODULE, qk_norm=True),
+    # Phi-3's checkpoints store qkv_proj (q|k|v) and gate_up_proj (gate|up) fused as ours are;
+    # its sliding_window (Phi-3-mini-4k: 2047) applies to every layer.
+    ModelFamily("phi3", *_LLAMA_MODULE, fused_weights={}, sliding_window_every_layer=True),
     ModelFamily("qwen3_moe", *_MOE_MODULE, qk_norm=True, moe=True, moe_renormalize_default=False,
                 expert_weights=QWEN_MOE_EXPERT_WEIGHTS),
-    ModelFamily("mixtral", *_MOE_MODULE, window_limits_context=True, moe=True,
+    ModelFamily("mixtral", *_MOE_MODULE, sliding_window_every_layer=True, moe=True,
                 expert_weights=MIXTRAL_EXPERT_WEIGHTS, renamed_weights={"mlp.gate.": "block_sparse_moe.gate."}),
 )})
 
