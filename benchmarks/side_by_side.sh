@@ -16,6 +16,8 @@
 # models/ folder, a symlink will do); all of them run on this checkout's .venv. vLLM runs from
 # $VLLM_VENV (default /tmp/peers/vllm-venv; docs/benchmarks.md says how to make it).
 # Writes OUT_DIR/NAME-ROUND.json and each server's log; WORKLOADS (default A,B) picks the workloads.
+# VLLM_MODEL (default models/smollm2-135m-instruct) and VLLM_ARGS (e.g. "--load-format dummy")
+# point vLLM at another model folder; our servers take theirs as KEY=VALUE (model=..., load_format=...).
 set -euo pipefail
 rounds=$1 out=$2; shift 2
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,8 +40,8 @@ for round in $(seq 1 "$rounds"); do
             if [ "$preload" = preload ]; then ld_preload=$vllm_preload
             elif [ -n "$preload" ]; then echo "unknown vLLM option: $server" >&2; exit 2; fi
             LD_PRELOAD=$ld_preload VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$vllm_python" -m \
-                vllm.entrypoints.openai.api_server --model "$repo/models/smollm2-135m-instruct" --dtype "$dtype" \
-                --host 127.0.0.1 --port 8100 > "$out/$name-$round.log" 2>&1 &
+                vllm.entrypoints.openai.api_server --model "${VLLM_MODEL:-$repo/models/smollm2-135m-instruct}" \
+                --dtype "$dtype" ${VLLM_ARGS:-} --host 127.0.0.1 --port 8100 > "$out/$name-$round.log" 2>&1 &
             pid=$! target=$name=openai@127.0.0.1:8100
             wait_ready 127.0.0.1:8100/v1/models 600
         else

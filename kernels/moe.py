@@ -10,6 +10,8 @@ and added into the row), so float32 results match it to the last bit on the same
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -26,18 +28,29 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: boo
     return weights, ids
 
 
-def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``x`` [rows, hidden]; ``weights``/``ids`` [rows, top_k] from routing (weights cast to x's
-    dtype, as transformers does); ``gate_up`` [experts, 2 * inter, hidden] (gate rows first);
-    ``down`` [experts, hidden, inter]. Returns [rows, hidden]."""
+    dtype, as transformers does); ``expert(e, rows_of_x)`` runs expert ``e`` on the rows routed
+    to it, all at once. Returns [rows, hidden]."""
     out = torch.zeros_like(x)
     weights = weights.to(x.dtype)
-    inter = down.shape[-1]
-    for expert in torch.unique(ids).tolist():
-        rows, slot = torch.where(ids == expert)
-        h = F.linear(x[rows], gate_up[expert])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        h = F.linear(h, down[expert]) * weights[rows, slot, None]
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        h = expert(e, x[rows]) * weights[rows, slot, None]
         out.index_add_(0, rows, h.to(x.dtype))
     return out
+
+
+def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: ``gate_up`` [2 * inter, hidden] (gate rows first), ``down`` [hidden, inter]."""
+    h = F.linear(x, gate_up)
+    inter = down.shape[-1]
+    return F.linear(F.silu(h[:, :inter]) * h[:, inter:], down)
+
+
+def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """``moe_grouped`` over stacked experts: ``gate_up`` [experts, 2 * inter, hidden], ``down``
+    [experts, hidden, inter]."""
+    return moe_grouped(x, weights, ids, lambda e, rows: swiglu_expert(rows, gate_up[e], down[e]))

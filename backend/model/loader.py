@@ -67,36 +67,34 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     return model.eval()
 
 
-def _checkpoint_sources(name: str, param: torch.Tensor, family: ModelFamily) -> tuple[list[list[str]], bool]:
-    """The checkpoint tensors behind one of our parameters, as groups whose parts concatenate
-    along dim 0 (fused projections), and whether the groups stack (one per expert)."""
-    for ours, parts in family.expert_weights.items():
-        if name.endswith(ours):
-            prefix = name[:-len(ours)]
-            return [[prefix + part.format(expert) for part in parts] for expert in range(param.shape[0])], True
+def _checkpoint_sources(name: str, family: ModelFamily) -> list[str]:
+    """The checkpoint tensors behind one of our parameters, concatenated along dim 0 (fused
+    projections)."""
     for ours, theirs in family.renamed_weights.items():
         name = name.replace(ours, theirs)
+    if ".experts." in name:
+        for ours, parts in family.expert_weights.items():
+            if f".{ours}." in name:
+                return [name.replace(f".{ours}.", f".{part}.") for part in parts]
     for fused, parts in family.fused_weights.items():
         if fused + "." in name:
-            return [[name.replace(fused, part) for part in parts]], False
-    return [[name]], False
+            return [name.replace(fused, part) for part in parts]
+    return [name]
 
 
 def _load_checkpoint(model: CausalLM, tensors: dict[str, torch.Tensor], family: ModelFamily) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, param in params.items():
-        groups, stacked = _checkpoint_sources(name, param, family)
-        missing = [s for group in groups for s in group if s not in tensors]
+        sources = _checkpoint_sources(name, family)
+        missing = [s for s in sources if s not in tensors]
         if missing:
             raise KeyError(f"checkpoint lacks {missing[:4]} (needed for {name})")
-        parts = [torch.cat([tensors[s] for s in group], dim=0) if len(group) > 1 else tensors[group[0]]
-                 for group in groups]
-        value = torch.stack(parts) if stacked else parts[0]
+        value = torch.cat([tensors[s] for s in sources], dim=0) if len(sources) > 1 else tensors[sources[0]]
         if value.shape != param.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
         param.data.copy_(value)
-        loaded.update(s for group in groups for s in group)
+        loaded.update(sources)
     ignored = {k for k in tensors if k not in loaded and not k.endswith("rotary_emb.inv_freq")}
     if model.lm_head is None:
         ignored.discard("lm_head.weight")  # tied: some checkpoints store the copy anyway

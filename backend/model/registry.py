@@ -22,16 +22,12 @@ LLAMA_FUSED_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 })
 
 
-# Mixture-of-experts checkpoints keep one tensor per expert and projection; our experts are
-# stacked ``[experts, ...]`` parameters (gate and up fused). Ours -> the parts of expert ``{}``.
+# Each expert's projections (``mlp.experts.N.gate_up_proj`` / ``down_proj``, gate and up fused as
+# in the dense MLP) -> the checkpoint's parts of expert N, in concatenation order.
 QWEN_MOE_EXPERT_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "mlp.experts_gate_up": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
-    "mlp.experts_down": ("mlp.experts.{}.down_proj.weight",),
-})
+    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
 MIXTRAL_EXPERT_WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "mlp.experts_gate_up": ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight"),
-    "mlp.experts_down": ("block_sparse_moe.experts.{}.w2.weight",),
-})
+    "gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)})
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,8 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: famil
     ModelFamily("qwen3_moe", *_MOE_MODULE, qk_norm=True, moe=True, moe_renormalize_default=False,
                 expert_weights=QWEN_MOE_EXPERT_WEIGHTS),
     ModelFamily("mixtral", *_MOE_MODULE, sliding_window_every_layer=True, moe=True,
-                expert_weights=MIXTRAL_EXPERT_WEIGHTS, renamed_weights={"mlp.gate.": "block_sparse_moe.gate."}),
+                expert_weights=MIXTRAL_EXPERT_WEIGHTS, renamed_weights={"mlp.gate.": "block_sparse_moe.gate.",
+                                                                    "mlp.experts.": "block_sparse_moe.experts."}),
 )})
 
 
