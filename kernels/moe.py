@@ -28,6 +28,14 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: boo
     return weights, ids
 
 
+def route_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` largest router logits, then softmax over those k alone, in the logits'
+    dtype (gpt-oss; the weights sum to 1 by construction). Returns (weights, expert ids), each
+    ``[rows, top_k]``."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
 def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``x`` [rows, hidden]; ``weights``/``ids`` [rows, top_k] from routing (weights cast to x's
@@ -38,7 +46,9 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     for e in torch.unique(ids).tolist():
         rows, slot = torch.where(ids == e)
         h = expert(e, x[rows]) * weights[rows, slot, None]
-        out.index_add_(0, rows, h.to(x.dtype))
+        # A row picks an expert once: an accumulating put adds exactly as index_add_ would, and
+        # index_add_'s CPU kernel costs far more per call on a few rows.
+        out.index_put_((rows,), h.to(x.dtype), accumulate=True)
     return out
 
 
