@@ -18,6 +18,7 @@
 # Writes OUT_DIR/NAME-ROUND.json and each server's log; WORKLOADS (default A,B) picks the workloads.
 # VLLM_MODEL (default models/smollm2-135m-instruct) and VLLM_ARGS (e.g. "--load-format dummy")
 # point vLLM at another model folder; our servers take theirs as KEY=VALUE (model=..., load_format=...).
+# SERVING_ARGS go to benchmarks.serving (e.g. "--num-requests 16 --concurrency 8").
 set -euo pipefail
 rounds=$1 out=$2; shift 2
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -56,7 +57,7 @@ for round in $(seq 1 "$rounds"); do
             wait_ready 127.0.0.1:8000/v2/models/llm/ready 300
         fi
         (cd "$repo" && "$python" -m benchmarks.serving --server "$target" --workloads "$workloads" \
-            --json "$out/$name-$round.json") | grep -E "^\| $name " || true
+            ${SERVING_ARGS:-} --json "$out/$name-$round.json") | grep -E "^\| $name " || true
         kill -INT "$pid"; wait "$pid" || true
     done
 done

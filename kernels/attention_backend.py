@@ -10,7 +10,8 @@ prompt-attention choice (``honours_sdpa_choice``).
 - ``reference``: plain torch (kernels/reference.py), the specification the others are tested
   against. It loops over sequences on the host, so no CUDA graph can hold it.
 - ``cpu``: the batched CPU path (kernels/cpu_attention.py): the C kernels, or torch's SDPA for
-  long prompts where the start-up chose it. Its per-step plan syncs with the host.
+  long prompts where the start-up chose it. Its per-step plan syncs with the host. The C
+  kernels take no attention sinks yet: steps with sinks (gpt-oss) go through the reference.
 - ``triton``: the Triton kernels (kernels/triton_attention.py), on CUDA or, for tests, in
   Triton's interpreter (``TRITON_INTERPRET=1``). Imported on first use, so CPU serving never
   pays for importing triton.
@@ -110,9 +111,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the packed queries ``[num_tokens, num_heads, head_dim]`` over the
-        paged cache, within a sliding ``window`` of keys where given
+        paged cache, within a sliding ``window`` of keys where given, with one softmax sink
+        logit per query head where ``sinks`` (``[num_heads]``) is given
         (``paged_attention_reference``'s contract)."""
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
@@ -132,9 +135,10 @@ class ReferenceAttention(AttentionBackend):
         reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention_reference(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                                         step.block_tables, scale, window)
+                                         step.block_tables, scale, window, sinks)
 
 
 class CpuAttention(AttentionBackend):
@@ -154,12 +158,14 @@ class CpuAttention(AttentionBackend):
             reshape_and_cache_cpu(key, value, key_cache, value_cache, plan)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
-        if window is not None and _longest_sequence(step) > window:
-            # The C kernels attend every key of a sequence: a step whose sequences outgrew the
-            # window goes through the reference, which slices each one to its window.
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None or (window is not None and _longest_sequence(step) > window):
+            # The C kernels attend every key of a sequence and take no sinks: a step whose
+            # sequences outgrew the window, or any step with sinks (gpt-oss), goes through the
+            # reference, which slices each sequence to its window and adds the sinks.
             return paged_attention_reference(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                                              step.block_tables, scale, window)
+                                              step.block_tables, scale, window, sinks)
         if plan is None:
             # Attention alone writes nothing: the slots only matter to write_kv.
             plan = plan_attention_cpu(step.query_start_loc, step.seq_lens, step.block_tables,
@@ -194,10 +200,11 @@ class TritonAttention(AttentionBackend):
         _triton_attention().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
-               scale: float, plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
+               scale: float, plan: AttentionPlan | None = None, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         return _triton_attention().paged_attention(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
                                                    step.block_tables, scale, step.max_query_len, step.max_seq_len,
-                                                   window=window)
+                                                   window=window, sinks=sinks)
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The Triton layer ops (kernels/triton_layer_ops.py), imported on first use as the

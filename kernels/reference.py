@@ -11,6 +11,9 @@ Layout
 - A sliding window of ``W`` keys: the query at position ``p`` sees keys ``p - W + 1 .. p``
   (transformers' convention). Block-table entries of blocks wholly before every query's
   window may point anywhere (the KV manager releases such blocks): they are never read.
+- Attention sinks (gpt-oss): one learned logit per query head joins every row's softmax
+  denominator beside the row's scaled scores; its value is zero (it adds probability mass and
+  nothing to the output): ``softmax([q.k * scale ..., sink])`` with the sink's column dropped.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cach
 
 def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                              block_tables: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                              block_tables: torch.Tensor, scale: float, window: int | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` over K/V read
     only from the paged cache (grouped-query: ``num_heads`` a multiple of ``num_kv_heads``),
-    within a sliding ``window`` of keys where given. Softmax in float32; the output has the
-    query's dtype."""
+    within a sliding ``window`` of keys where given, with one sink logit per query head in
+    every row's softmax where ``sinks`` (``[num_heads]``, used in float32) is given. Softmax in
+    float32; the output has the query's dtype."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -68,7 +73,12 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
         if window is not None:
             hidden |= k_pos <= q_pos - window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # The sink as one more column of every row (as transformers' gpt-oss), then dropped.
+            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, num_queries, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 

@@ -16,6 +16,10 @@ Same layout and semantics as the reference (read that module's docstring first):
   the partial results with their log-sum-exp weights. Every split's range is computed
   from ``seq_lens`` on the device, so the launch shape depends only on tensor shapes and
   a CUDA graph can replay it.
+- Attention sinks (gpt-oss; ``sinks``, one logit per query head): without splits each row's
+  online softmax starts from its head's sink (running max = the sink, running sum = 1, nothing
+  accumulated), which adds exactly the sink's term to the denominator; with splits the merge
+  adds it once, beside the splits' sums.
 
 Mapping programs to tiles without a host sync: sequence ``i`` owns the tile slots starting
 at ``query_start_loc[i] // BLOCK_Q + i``; that gives every sequence at least
@@ -107,13 +111,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr,
     scale, num_seqs, num_tokens, window,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_block_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, DOT_IN_FP32: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,8 +175,13 @@ def _paged_attention_kernel(
         key_tile_lo = first_key_tile + split * tiles_per_split
         key_tile_hi = tl.minimum(key_tile_lo + tiles_per_split, num_key_tiles)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:
+        # The sink's column of the softmax, seen first: max = sink, sum = exp(sink - sink), no value.
+        row_max = tl.load(sinks_ptr + head).to(tl.float32)
+        row_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:       # with splits the merge adds the sink once
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for key_tile in range(key_tile_lo, key_tile_hi):
@@ -225,10 +234,10 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, num_tokens,
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, num_tokens,
     stride_o_token, stride_o_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -239,11 +248,16 @@ def _merge_splits_kernel(
     split_max = tl.load(partial_max_ptr + stat, mask=split_valid, other=float("-inf"))
     split_sum = tl.load(partial_sum_ptr + stat, mask=split_valid, other=0.0)
     global_max = tl.max(split_max, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        global_max = tl.maximum(global_max, sink)
     # Each split's output is normalised by its own sum; reweight by its share of the total.
     weight = tl.where(split_max == float("-inf"), 0.0, split_sum * tl.exp(split_max - global_max))
     part = tl.load(partial_out_ptr + stat[:, None] * HEAD_DIM + dims[None, :],
                    mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - global_max)      # the sink's share of the denominator, no value
     out = tl.sum(part * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_o_token + head * stride_o_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -292,15 +306,18 @@ def _num_sms(device: torch.device) -> int:
 def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                        scale: float, plan: LaunchPlan, out: torch.Tensor, window: int | None = None,
-                       ) -> list[KernelLaunch]:
+                       sinks: torch.Tensor | None = None) -> list[KernelLaunch]:
     """The attention launch, then the split merge when the plan splits the keys. ``window``:
-    a sliding window of keys (kernels/reference.py), None for every key."""
+    a sliding window of keys (kernels/reference.py), None for every key; ``sinks``: one
+    softmax sink logit per query head (``[num_heads]``, read as float32), None for none."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride()
     if plan.decode_only and num_tokens != num_seqs:
         raise ValueError("a decode-only plan needs exactly one query per sequence")
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.stride(0) == 1, "sinks: one logit per query head"
     # tl.dot needs K >= 16 for 16-bit inputs; padded dims are masked to zero.
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     num_tiles = num_seqs if plan.decode_only else num_tokens // plan.block_q + num_seqs
@@ -315,21 +332,23 @@ def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     launches = [KernelLaunch(
         _paged_attention_kernel, (num_tiles, num_kv_heads, plan.num_splits),
         (out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-         partial_out, partial_max, partial_sum,
+         partial_out, partial_max, partial_sum, out if sinks is None else sinks,   # out: unused
          scale, num_seqs, num_tokens, window or 0,
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
         dict(NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
              HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=plan.block_m,
              BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
-             DECODE_ONLY=plan.decode_only, DOT_IN_FP32=_dot_in_fp32(query)),
+             DECODE_ONLY=plan.decode_only, DOT_IN_FP32=_dot_in_fp32(query), HAS_SINKS=sinks is not None),
         dict(num_warps=4, num_stages=2))]
     if plan.num_splits > 1:
         launches.append(KernelLaunch(
             _merge_splits_kernel, (num_tokens, num_heads),
-            (out, partial_out, partial_max, partial_sum, num_tokens, out.stride(0), out.stride(1)),
+            (out, partial_out, partial_max, partial_sum, out if sinks is None else sinks, num_tokens,
+             out.stride(0), out.stride(1)),
             dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-                 NUM_SPLITS=plan.num_splits, SPLITS_PADDED=triton.next_power_of_2(plan.num_splits))))
+                 NUM_SPLITS=plan.num_splits, SPLITS_PADDED=triton.next_power_of_2(plan.num_splits),
+                 HAS_SINKS=sinks is not None)))
     return launches
 
 
@@ -345,10 +364,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_query_len: int | None = None, max_seq_len: int | None = None,
                     plan: LaunchPlan | None = None, out: torch.Tensor | None = None,
-                    window: int | None = None) -> torch.Tensor:
-    """Drop-in for ``paged_attention_reference`` (``window`` included). ``max_query_len`` / ``max_seq_len`` are
-    host-side bounds (the model runner knows them); without them they are read from the
-    tensors, which costs a device sync. ``plan`` overrides the tile shapes (tests, CUDA
+                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for ``paged_attention_reference`` (``window`` and ``sinks`` included).
+    ``max_query_len`` / ``max_seq_len`` are host-side bounds (the model runner knows them);
+    without them they are read from the tensors, which costs a device sync. ``plan`` overrides the tile shapes (tests, CUDA
     graphs); ``out`` receives the result when given."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -364,6 +383,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query_len, max_seq_len,
                            _num_sms(query.device), interpreter=query.device.type == "cpu")
     for launch in attention_launches(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                                     scale, plan, out, window):
+                                     scale, plan, out, window, sinks):
         launch()
     return out

@@ -89,9 +89,16 @@ def compile_attention(dtype_name: str) -> list[str]:
                                                                ("mixed", 600, 8, 512, 2048)):
             plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query, max_seq, num_sms=132)
             query = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=meta)
-            launches = attention_launches(query, key_cache, key_cache, torch.empty(num_seqs + 1, dtype=torch.int32,
-                                          device=meta), torch.empty(num_seqs, dtype=torch.int32, device=meta),
-                                          tables, head_dim ** -0.5, plan, torch.empty_like(query))
+            layout = (query, key_cache, key_cache, torch.empty(num_seqs + 1, dtype=torch.int32, device=meta),
+                      torch.empty(num_seqs, dtype=torch.int32, device=meta), tables, head_dim ** -0.5, plan,
+                      torch.empty_like(query))
+            launches = attention_launches(*layout)
+            if dtype == torch.bfloat16 and (num_heads, num_kv_heads, head_dim) in OTHER_DTYPE_LAYOUTS \
+                    and name != "decode":
+                # gpt-oss's attention sinks: the kernel's variant and the merge's.
+                sinks = torch.empty(num_heads, dtype=torch.float32, device=meta)
+                for launch in attention_launches(*layout, window=128, sinks=sinks):
+                    done += _compile(launch, dtype, f"h{num_heads}/kv{num_kv_heads} d{head_dim} {name} sinks")
             kv = torch.empty(num_tokens, 3 * num_kv_heads * head_dim, dtype=dtype, device=meta)
             kv = kv[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
             launches.append(cache_write_launch(kv, kv, key_cache, key_cache,

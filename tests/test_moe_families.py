@@ -244,3 +244,15 @@ def test_bfloat16_agreement_above_floor(tiny_moe, prose_ids: list[int]) -> None:
     shares = [prefix_share(a, b) for a, b in zip(ours, reference)]
     print(f"{tiny_moe[0]}: bfloat16 agreement {sum(shares) / len(shares):.3f}")
     assert sum(shares) / len(shares) >= BF16_AGREEMENT_FLOOR, shares
+
+
+def test_moe_models_are_not_captured_in_cuda_graphs(tiny_moe) -> None:
+    """Routing reads the chosen experts on the host (a sync a CUDA graph cannot hold): the runner
+    must run MoE models eagerly on CUDA, and says why."""
+    from backend.model.architecture import ModelArchitecture
+    from backend.model.registry import family_of
+
+    arch = ModelArchitecture.from_folder(tiny_moe[1])
+    with torch.device("meta"):
+        model = family_of(arch.model_type).model_class()(arch, "reference")
+    assert "mixture-of-experts" in model.graph_unsafe_reason()

@@ -82,10 +82,10 @@ def test_the_registry_names_every_family_and_refuses_the_rest(tmp_path: Path) ->
 
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type and callable(family.model_class())
-    config = {"model_type": "gemma3_text", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
+    config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
               "num_hidden_layers": 1, "num_attention_heads": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma3_text' \(supported: \('llama'"):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'deepseek_v3' \(supported: \('llama'"):
         ModelArchitecture.from_folder(tmp_path)
     # A family's switches reach the architecture: qwen2's q/k/v biases, qwen3's q/k norms,
     # mistral's window capping the context.

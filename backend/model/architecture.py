@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ def rope_scaling_of(cfg: dict[str, Any], rope: dict[str, Any], rope_type: str) -
                          "(partial rotary, as Phi-4-mini's 0.75, is not served)")
     if rope_type == "default":
         return None
+    if rope_type == "yarn":
+        return yarn_scaling_of(cfg, rope)
     if rope_type not in ("longrope", "su"):
         return rope
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -45,6 +47,34 @@ def rope_scaling_of(cfg: dict[str, Any], rope: dict[str, Any], rope_type: str) -
             "attention_factor": float(attention_factor)}
 
 
+def yarn_scaling_of(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's settings resolved as transformers' ``_compute_yarn_parameters`` resolves them:
+    ``original_max_position_embeddings`` (the top-level key first, as for LongRoPE), ``factor``
+    (max_position_embeddings / original without one), ``beta_fast`` / ``beta_slow`` (32 / 1 where
+    absent or 0), ``truncate`` (True without it) and the ``attention_factor`` that scales cos and
+    sin: the given one, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both
+    are set, else mscale(factor) = 0.1 ln(factor) + 1 (1 where factor <= 1)."""
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    original = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_pos / original
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            attention_factor = mscale_of(factor, rope["mscale"]) / mscale_of(factor, rope["mscale_all_dim"])
+        else:
+            attention_factor = mscale_of(factor)
+    return {**rope, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": rope.get("beta_fast") or 32, "beta_slow": rope.get("beta_slow") or 1,
+            "truncate": rope.get("truncate", True), "attention_factor": float(attention_factor)}
+
+
 @dataclass(frozen=True)
 class MoEArchitecture:
     """A mixture-of-experts feed-forward: each token goes to ``top_k`` of ``num_experts``
@@ -54,6 +84,10 @@ class MoEArchitecture:
     intermediate_size: int
     renormalize: bool               # the top-k routing weights rescaled to sum to 1
     dense_layers: frozenset[int] = frozenset()
+    # gpt-oss's clamped SwiGLU (backend/model/gpt_oss.py; no other family reads them), with
+    # transformers' defaults: gate clamped above, up on both sides at the limit, gate * sigmoid(alpha * gate).
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], family: ModelFamily) -> "MoEArchitecture | None":
@@ -69,7 +103,8 @@ class MoEArchitecture:
         return cls(num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
                    intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
                    renormalize=bool(cfg.get("norm_topk_prob", family.moe_renormalize_default)),
-                   dense_layers=frozenset(dense))
+                   dense_layers=frozenset(dense), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                   swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
 
 
 @dataclass(frozen=True)
@@ -94,6 +129,18 @@ class ModelArchitecture:
     moe: MoEArchitecture | None = None
     # Per layer: its sliding window of keys, or None for full attention.
     layer_windows: tuple[int | None, ...] = ()
+    # Gemma-style switches (backend/model/gemma3.py); the defaults are Llama's.
+    hidden_act: str = "silu"                        # the MLP's gate activation
+    norm_weight_offset: float = 0.0                 # RMSNorms scale by (offset + w): Gemma's (1 + w)
+    embedding_multiplier: float | None = None       # embeddings times this (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None            # query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None    # logits := tanh(logits / c) * c
+    local_rope_theta: float | None = None           # the windowed layers' own RoPE base (Gemma 3's local one)
+
+    def local_rope_architecture(self) -> "ModelArchitecture":
+        """This architecture as the windowed layers' RoPE sees it: their own base, default RoPE
+        (Gemma 3's local layers; any scaling applies to the global layers only)."""
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=None)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -114,12 +161,32 @@ class ModelArchitecture:
         cfg = json.loads((Path(folder) / "config.json").read_text())
         model_type = cfg.get("model_type")
         family = family_of(model_type)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+        refuse_quantized_checkpoint(cfg)
+        # Gemma names it hidden_activation (transformers' Gemma 3 reads no other key).
+        hidden_act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.hidden_acts[0]
+        if hidden_act not in family.hidden_acts:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} (for {model_type}: {family.hidden_acts})")
+        for key, why in (("attn_logit_softcapping", "the attention kernels do not cap scores (Gemma 2's tanh)"),
+                         ("use_bidirectional_attention", "bidirectional attention (EmbeddingGemma) is not served")):
+            if cfg.get(key):
+                raise ValueError(f"unsupported {key} {cfg[key]!r}: {why}")
         # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
-        # rope_theta + rope_scaling at the top level.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        # rope_theta + rope_scaling at the top level. Gemma 3's are per layer type in 5
+        # (full_attention, sliding_attention), rope_theta + rope_scaling (the global layers')
+        # and rope_local_base_freq before.
+        rope_parameters = cfg.get("rope_parameters") or {}
+        per_type = any(isinstance(rope_parameters.get(kind), dict) for kind in ("full_attention", "sliding_attention"))
+        if per_type:
+            rope = dict(rope_parameters.get("full_attention") or {})
+            local_rope = dict(rope_parameters.get("sliding_attention") or {})
+        else:
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            local_rope = {"rope_theta": cfg["rope_local_base_freq"]} if cfg.get("rope_local_base_freq") else {}
+        if local_rope.get("rope_type", local_rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported rope_type {local_rope.get('rope_type', local_rope.get('type'))!r} for the "
+                             "sliding-window layers (their RoPE is the default one here)")
+        local_rope_theta = local_rope.get("rope_theta", family.default_local_rope_theta)
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", family.default_rope_theta)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 2048)
@@ -136,27 +203,52 @@ class ModelArchitecture:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling_of(cfg, rope, rope_type),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family.tie_word_embeddings_default),
             qkv_bias=family.qkv_bias or cfg.get("attention_bias", False),
             qk_norm=family.qk_norm,
             initializer_range=cfg.get("initializer_range", 0.02),
             moe=MoEArchitecture.from_config(cfg, family),
             layer_windows=layer_windows(cfg, family),
+            hidden_act=hidden_act,
+            norm_weight_offset=family.norm_weight_offset,
+            embedding_multiplier=cfg["hidden_size"] ** 0.5 if family.scale_embeddings else None,
+            attention_scale=cfg["query_pre_attn_scalar"] ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
+            local_rope_theta=None if local_rope_theta is None else float(local_rope_theta),
         )
 
 
 def layer_windows(cfg: dict[str, Any], family: ModelFamily) -> tuple[int | None, ...]:
     """Each layer's sliding window from config.json, as transformers reads it: ``layer_types``
-    where given ("sliding_attention" layers), else every layer for Mistral-style families, else
-    the layers from ``max_window_layers`` on when ``use_sliding_window`` is set."""
+    where given ("sliding_attention" layers), else Gemma 3's pattern (every pattern-th layer
+    full), else every layer for Mistral-style families, else the layers from
+    ``max_window_layers`` on when ``use_sliding_window`` is set."""
     num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
     if not window:
         return (None,) * num_layers
     if cfg.get("layer_types"):
         return tuple(window if kind == "sliding_attention" else None for kind in cfg["layer_types"])
+    if family.sliding_window_pattern:      # Gemma 3 (sliding_window_pattern, 6 by default)
+        pattern = cfg.get("sliding_window_pattern") or family.sliding_window_pattern
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
     if family.sliding_window_every_layer:
         return (window,) * num_layers
     if cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", num_layers)
         return tuple(window if i >= first else None for i in range(num_layers))
     return (None,) * num_layers
+
+
+def refuse_quantized_checkpoint(cfg: dict[str, Any]) -> None:
+    """ValueError for a checkpoint config.json calls quantized (``quantization_config`` with a
+    ``quant_method``): weights are loaded as float tensors only (``quantization=int8`` quantizes
+    float weights after loading). gpt-oss's own checkpoints are MXFP4 (4-bit experts in
+    ``*_blocks`` / ``*_scales`` tensors)."""
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if not method:
+        return
+    if str(method).lower() == "mxfp4":
+        raise ValueError("unsupported quantization_config quant_method 'mxfp4': MXFP4-quantized experts are not "
+                         "served (no MXFP4 kernels); use a checkpoint with bfloat16 or float32 weights")
+    raise ValueError(f"unsupported quantization_config quant_method {method!r}: quantized checkpoints are not "
+                     "served (float weights only)")

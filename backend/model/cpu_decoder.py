@@ -52,6 +52,9 @@ PROJECTIONS = tuple(Projection)     # by id, for the callback (indexing is cheap
 def unsupported_reason(model: CausalLM) -> str | None:
     """Why the model's layers cannot run as one C call, or None when they can."""
     dtype = model.model.embed_tokens.weight.dtype
+    if model.arch.hidden_act != "silu" or model.arch.norm_weight_offset:
+        return (f"Gemma-style layers ({model.arch.hidden_act} MLP, (1 + w) RMSNorms after attention and MLP too: "
+                "the C layer loop runs Llama's)")
     if model.layer_ops is not cpu_native or model.arch.qk_norm:
         return "the fused C layer ops are off (or q/k norms, which they do not cover)"
     if dtype not in LINEAR_TYPES:
@@ -60,6 +63,8 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return "mixture-of-experts layers (the C layer loop knows the dense MLP only)"
     if any(window is not None for window in model.arch.layer_windows):
         return "sliding-window layers (the C layer loop attends every key)"
+    if any(getattr(layer.self_attn, "sinks", None) is not None for layer in model.model.layers):
+        return "attention sinks (gpt-oss; the C attention kernels take none)"
     return None
 
 

@@ -54,7 +54,36 @@ def rope_inverse_frequencies(arch: ModelArchitecture, long: bool = False) -> tor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, longrope)")
+    if rope_type == "yarn":
+        return yarn_inverse_frequencies(arch.rope_theta, dim, base_powers, scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, longrope, yarn)")
+
+
+def yarn_inverse_frequencies(base: float, dim: int, base_powers: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """YaRN's inverse frequencies [dim / 2] from ``base_powers`` = base ** (2i / dim) (float32)
+    and the settings ``yarn_scaling_of`` resolved (backend/model/architecture.py): each frequency
+    blended between itself (extrapolation: the fast ones) and itself / factor (interpolation: the
+    slow ones) by a linear ramp over the dimensions that turn between ``beta_fast`` and
+    ``beta_slow`` times within ``original_max_position_embeddings``. transformers'
+    ``_compute_yarn_parameters`` operation for operation; its attention factor scales cos and sin
+    (``CausalLM.rope_cos_sin``)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        """The dimension whose frequency turns ``rotations`` times within ``original`` positions."""
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001               # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation_share = 1 - ramp
+    extrapolated = 1.0 / base_powers
+    interpolated = 1.0 / (factor * base_powers)
+    return interpolated * (1 - extrapolation_share) + extrapolated * extrapolation_share
 
 
 class RMSNorm(nn.Module):
@@ -107,8 +136,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if arch.attention_scale is None else arch.attention_scale
         self.window = arch.window_of(layer)        # sliding window of keys, None: every key
+        self.sinks: nn.Parameter | None = None     # a softmax sink logit per query head (gpt_oss.py)
         self.layer_ops: ModuleType | None = None   # set by CausalLM.use_fused_layer_ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
@@ -123,7 +153,7 @@ class Attention(nn.Module):
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q = self._rope_and_cache(qkv, cos, sin, key_cache, value_cache, meta, plan)
-        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan, self.window)
+        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan, self.window, self.sinks)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)
         add_lora(out, o, self.layer, "o")
@@ -201,8 +231,7 @@ class CausalLM(nn.Module):
         # of torch._dynamo; see rope_inverse_frequencies): the loader fills the weight anyway.
         self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                                _weight=torch.empty(arch.vocab_size, arch.hidden_size))
-        self.model.layers = nn.ModuleList(DecoderLayer(arch, attention_backend, i, self.make_mlp(arch, i))
-                                          for i in range(arch.num_layers))
+        self.model.layers = nn.ModuleList(self.make_layer(arch, attention_backend, i) for i in range(arch.num_layers))
         self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None   # set by pack_for_cpu
@@ -220,6 +249,16 @@ class CausalLM(nn.Module):
                              persistent=False)
         self.long_rope_from: int | None = int(scaling["original_max_position_embeddings"]) if longrope else None
         self.rope_attention_factor = float(scaling["attention_factor"]) if longrope else 1.0
+        if scaling.get("rope_type") == "yarn":      # YaRN's attention factor (yarn_inverse_frequencies)
+            self.rope_attention_factor = float(scaling["attention_factor"])
+
+    def make_layer(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int) -> nn.Module:
+        """One decoder layer: a family's hook (backend/model/gemma3.py)."""
+        return DecoderLayer(arch, attention_backend, layer, self.make_mlp(arch, layer))
+
+    def graph_unsafe_reason(self) -> str | None:
+        """Why a CUDA graph cannot capture this model's forward (it syncs with the host), or None."""
+        return None
 
     def make_mlp(self, arch: ModelArchitecture, layer: int) -> nn.Module:
         """The feed-forward of one layer: a family's hook (backend/model/moe.py)."""

@@ -46,16 +46,20 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    param.fill_(1.0)
+                    param.fill_(1.0 - arch.norm_weight_offset)     # each norm scales by 1 (Gemma's: 1 + 0)
                 else:
                     values = torch.randn(param.shape, generator=generator, device=device)
                     param.copy_(values.mul_(arch.initializer_range))
     else:
-        _load_checkpoint(model, _checkpoint_tensors(folder), family)
+        tensors = _checkpoint_tensors(folder)
+        remap = getattr(model, "remap_checkpoint", None)    # a family's own layout first (gpt_oss.py's experts)
+        _load_checkpoint(model, tensors if remap is None else remap(tensors), family)
     # RoPE frequencies stay float32 whatever the weights' dtype (as in transformers).
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
     if model.long_inv_freq is not None:          # LongRoPE's second set
         model.long_inv_freq = rope_inverse_frequencies(arch, long=True).to(device)
+    if getattr(model, "local_inv_freq", None) is not None:     # the windowed layers' own base (gemma3.py)
+        model.local_inv_freq = rope_inverse_frequencies(arch.local_rope_architecture()).to(device)
     if quantization == "int8":
         # The decoder's projections only: the LM head stays in the model dtype (its rounding
         # would move every logit), and is packed below.

@@ -55,5 +55,8 @@ class SparseMoE(nn.Module):
 class MoECausalLM(CausalLM):
     """``CausalLM`` with a ``SparseMoE`` feed-forward on the architecture's MoE layers."""
 
+    def graph_unsafe_reason(self) -> str | None:
+        return "mixture-of-experts routing reads the chosen experts on the host: no graphs"
+
     def make_mlp(self, arch: ModelArchitecture, layer: int) -> nn.Module:
         return SparseMoE(arch, layer) if arch.is_moe_layer(layer) else MLP(arch, layer)

@@ -48,6 +48,17 @@ class ModelFamily:
     moe_renormalize_default: bool = True         # without norm_topk_prob in config.json
     expert_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # see QWEN_MOE_EXPERT_WEIGHTS
     renamed_weights: Mapping[str, str] = field(default_factory=dict)   # our name -> the checkpoint's
+    # Gemma-style switches (backend/model/gemma3.py); the defaults are Llama's.
+    hidden_acts: tuple[str, ...] = ("silu",)     # the MLP activations served; the first without one in config.json
+    norm_weight_offset: float = 0.0              # every RMSNorm scales by (offset + w): Gemma's (1 + w)
+    scale_embeddings: bool = False               # embeddings times sqrt(hidden_size)
+    tie_word_embeddings_default: bool = False    # without tie_word_embeddings in config.json
+    # Without layer_types in config.json: every pattern-th layer full, the others windowed.
+    sliding_window_pattern: int | None = None
+    # RoPE bases without them in config.json: the (full-attention) layers', and the windowed
+    # layers' where they have their own (Gemma 3's rope_local_base_freq).
+    default_rope_theta: float = 10000.0
+    default_local_rope_theta: float | None = None
 
     def model_class(self) -> Any:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -55,6 +66,7 @@ class ModelFamily:
 
 _LLAMA_MODULE = ("backend.model.llama", "CausalLM")
 _MOE_MODULE = ("backend.model.moe", "MoECausalLM")
+_GEMMA3_MODULE = ("backend.model.gemma3", "Gemma3CausalLM")
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: family for family in (
     ModelFamily("llama", *_LLAMA_MODULE, plain_tokenizer=True),
@@ -69,6 +81,16 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: famil
     ModelFamily("mixtral", *_MOE_MODULE, sliding_window_every_layer=True, moe=True,
                 expert_weights=MIXTRAL_EXPERT_WEIGHTS, renamed_weights={"mlp.gate.": "block_sparse_moe.gate.",
                                                                     "mlp.experts.": "block_sparse_moe.experts."}),
+    # gpt-oss: biases on q/k/v/o (transformers' attention_bias defaults to true), sinks, an MoE on
+    # every layer whose stacked experts GptOssCausalLM.remap_checkpoint splits; even layers
+    # windowed without layer_types (pattern 2); RoPE base 150000 without one in config.json.
+    ModelFamily("gpt_oss", "backend.model.gpt_oss", "GptOssCausalLM", qkv_bias=True, moe=True,
+                sliding_window_pattern=2, default_rope_theta=150_000.0),
+    # Gemma 3's text decoder: (1 + w) RMSNorms (four a layer, and on q and k heads), embeddings
+    # times sqrt(hidden), GeGLU, 5 windowed layers to 1 global by default, each kind its RoPE base.
+    ModelFamily("gemma3_text", *_GEMMA3_MODULE, qk_norm=True, hidden_acts=("gelu_pytorch_tanh",),
+                norm_weight_offset=1.0, scale_embeddings=True, tie_word_embeddings_default=True,
+                sliding_window_pattern=6, default_rope_theta=1_000_000.0, default_local_rope_theta=10_000.0),
 )})
 
 

@@ -176,9 +176,11 @@ class ModelRunner:
         self.fault_hook: Callable[[list[Request]], None] | None = None
 
         self.decode_graphs: DecodeGraphs | None = None
-        # Only a backend whose forward never syncs with the host can be captured
-        # (AttentionBackend.supports_cuda_graphs): the reference one loops over sequences.
-        if on_cuda and not config.enforce_eager and self.attention.supports_cuda_graphs:
+        # Only a forward that never syncs with the host can be captured: the attention backend's
+        # (AttentionBackend.supports_cuda_graphs; the reference loops over sequences) and the
+        # model's own layers (CausalLM.graph_unsafe_reason: e.g. MoE routing reads its experts).
+        graph_unsafe = self.model.graph_unsafe_reason()
+        if on_cuda and not config.enforce_eager and self.attention.supports_cuda_graphs and graph_unsafe is None:
             start = time.perf_counter()
             self.decode_graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, capture_sizes(self.max_seqs),
                                               self.max_model_len, capture=True, lora=self.lora_slots)
@@ -187,6 +189,7 @@ class ModelRunner:
         elif on_cuda:
             self.startup_notes.append("decode steps run eagerly ("
                                       + ("enforce_eager=true" if config.enforce_eager else
+                                         graph_unsafe if graph_unsafe is not None else
                                          f"attention backend {self.attention.name}: no graphs") + ")")
         if on_cuda:
             logger.info("%s", self.startup_notes[-1])
