@@ -12,7 +12,6 @@ forms; ``load_format=dummy`` loads; LoRA adapters equal peft's; attn_logit_softc
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,8 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
+from tests.tiny_models import assert_served_like_the_engine, run_greedy, save_tiny_model, speculative_greedy
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 NEW_TOKENS = 16
 WINDOW = 16
 HIDDEN = 64
@@ -61,11 +60,7 @@ def make_tiny_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 30, **overri
                 param.uniform_(2.0, 5.0)
             elif "norm" in name:
                 param.uniform_(-0.5, 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, folder / name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return model
+    return save_tiny_model(model, folder, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +80,7 @@ def reference(tiny_gemma3, prompts) -> list[list[int]]:
 
 
 def run(folder: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **config) -> tuple[Engine, list]:
-    engine = Engine(EngineConfig(model=str(folder), dtype="float32", **config))
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
-    engine.check_invariants()
-    stats = engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
-    return engine, [o.token_ids for o in outputs]
+    return run_greedy(folder, prompts, new_tokens, **config)
 
 
 def test_architecture_reads_the_family(tiny_gemma3) -> None:
@@ -322,3 +312,13 @@ def test_bfloat16_agreement_above_floor(tiny_gemma3, prose_ids: list[int]) -> No
     shares = [prefix_share(a, b) for a, b in zip(ours, reference)]
     print(f"gemma3_text: bfloat16 agreement {sum(shares) / len(shares):.3f}")
     assert sum(shares) / len(shares) >= BF16_AGREEMENT_FLOOR, shares
+
+
+def test_speculative_drafts_match_transformers(tiny_gemma3, prompts, reference) -> None:
+    assert_same_tokens(speculative_greedy(tiny_gemma3[0], prompts, NEW_TOKENS, block_size=16, num_kv_blocks=256),
+                       reference)
+
+
+@pytest.mark.server
+def test_served_by_the_real_server(tiny_gemma3, tokenizer, prose_ids: list[int], tmp_path: Path) -> None:
+    assert_served_like_the_engine(tiny_gemma3[0], tokenizer, prose_ids, tmp_path)

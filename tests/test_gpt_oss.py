@@ -19,10 +19,11 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
+from tests.tiny_models import (TOKENIZER_FILES, assert_served_like_the_engine, run_greedy,
+                               save_tiny_model, speculative_greedy)
 
 WINDOW = 16
 NEW_TOKENS = 20
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # YaRN with a factor > 1 and an original length below the test's positions (transformers'
 # YaRN frequencies are fixed: no dynamic update past it).
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -54,11 +55,7 @@ def make_tiny_gpt_oss(folder: Path, tokenizer_dir: Path):
                 param.normal_(0.0, 0.5)
             elif name.endswith("sinks"):
                 param.normal_(0.5, 1.0)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, folder / name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return model
+    return save_tiny_model(model, folder, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +76,7 @@ def reference(tiny_gpt_oss, prompts) -> list[list[int]]:
 
 def run(folder: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, dtype_override: str = "float32",
         **config) -> tuple[Engine, list]:
-    engine = Engine(EngineConfig(model=str(folder), dtype=dtype_override, **config))
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
-    engine.check_invariants()
-    stats = engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
-    return engine, [o.token_ids for o in outputs]
+    return run_greedy(folder, prompts, new_tokens, dtype_override, **config)
 
 
 def test_architecture_reads_the_config(tiny_gpt_oss) -> None:
@@ -219,3 +211,13 @@ def test_mxfp4_checkpoints_are_refused(tiny_gpt_oss, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MXFP4"):
         Engine(EngineConfig(model=str(tmp_path), dtype="float32", load_format="dummy", block_size=16,
                             num_kv_blocks=32, **FIXED_BUDGET))
+
+
+def test_speculative_drafts_match_transformers(tiny_gpt_oss, prompts, reference) -> None:
+    assert_same_tokens(speculative_greedy(tiny_gpt_oss[0], prompts, NEW_TOKENS, block_size=16, num_kv_blocks=256),
+                       reference)
+
+
+@pytest.mark.server
+def test_served_by_the_real_server(tiny_gpt_oss, tokenizer, prose_ids: list[int], tmp_path: Path) -> None:
+    assert_served_like_the_engine(tiny_gpt_oss[0], tokenizer, prose_ids, tmp_path)

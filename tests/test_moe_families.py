@@ -7,7 +7,6 @@ refused by name."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ from backend.model.architecture import ModelArchitecture
 from kernels.moe import moe_reference, route_softmax_topk
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
+from tests.tiny_models import RepeatLastToken, save_tiny_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 NEW_TOKENS = 16
 
 
@@ -48,11 +47,7 @@ def make_tiny_moe(kind: str, folder: Path, tokenizer_dir: Path):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, folder / name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return model
+    return save_tiny_model(model, folder, tokenizer_dir)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -69,15 +64,6 @@ def prompts(prose_ids: list[int]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_moe, prompts) -> list[list[int]]:
     return hf_greedy(tiny_moe[2], prompts, NEW_TOKENS)
-
-
-class RepeatLastToken:
-    """Drafts whatever the model would need to repeat: the last token, k times. Most are
-    rejected, some accepted (random models repeat themselves), and every verification step
-    runs the experts over several positions of a request at once."""
-
-    def propose(self, token_ids: list[int], max_drafts: int | None = None) -> list[int]:
-        return [token_ids[-1]] * min(3, 3 if max_drafts is None else max_drafts)
 
 
 def run(folder: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **config) -> tuple[Engine, list]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,9 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
+from tests.tiny_models import (assert_served_like_the_engine, prefix_hit_greedy, run_greedy, save_tiny_model,
+                               speculative_greedy)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 NEW_TOKENS = 16
 HEAD_DIM = 16
 # LongRoPE: the model's pretraining length, its served length (attention factor
@@ -53,11 +53,7 @@ def make_tiny_phi3(kind: str, folder: Path, tokenizer_dir: Path):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, folder / name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return model
+    return save_tiny_model(model, folder, tokenizer_dir)
 
 
 @pytest.fixture(scope="module", params=["default", "longrope"])
@@ -78,12 +74,7 @@ def reference(tiny_phi3, prompts) -> list[list[int]]:
 
 
 def run(folder: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **config) -> tuple[Engine, list]:
-    engine = Engine(EngineConfig(model=str(folder), dtype="float32", **config))
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
-    engine.check_invariants()
-    stats = engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
-    return engine, [o.token_ids for o in outputs]
+    return run_greedy(folder, prompts, new_tokens, **config)
 
 
 def test_checkpoint_is_fused_as_ours_and_the_architecture_reads_it(tiny_phi3) -> None:
@@ -222,3 +213,20 @@ def test_sliding_window_handled_as_mistral(tmp_path: Path) -> None:
     assert phi3.max_position_embeddings == mistral.max_position_embeddings
     assert getattr(phi3, "layer_windows", None) == getattr(mistral, "layer_windows", None)
     assert phi3.max_position_embeddings == 2047 or getattr(phi3, "layer_windows", None) == (2047, 2047)
+
+
+def test_speculative_drafts_match_transformers(tiny_phi3, prompts, reference) -> None:
+    assert_same_tokens(speculative_greedy(tiny_phi3[1], prompts, NEW_TOKENS, block_size=16, num_kv_blocks=256),
+                       reference)
+
+
+@pytest.mark.server
+def test_served_by_the_real_server(tiny_phi3, tokenizer, prose_ids: list[int], tmp_path: Path) -> None:
+    assert_served_like_the_engine(tiny_phi3[1], tokenizer, prose_ids, tmp_path)
+
+
+def test_prefix_hits_match_transformers(tiny_phi3, prose_ids: list[int]) -> None:
+    shared = [prose_ids[:48] + prose_ids[600 + 11 * i: 600 + 11 * i + 3 + 5 * i] for i in range(5)]
+    expected = hf_greedy(tiny_phi3[2], shared, NEW_TOKENS)
+    assert_same_tokens(prefix_hit_greedy(tiny_phi3[1], shared, 48, NEW_TOKENS, block_size=16, num_kv_blocks=256),
+                       expected)

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from kernels.attention_backend import PackedStep, attention_backend_for
 from kernels.reference import paged_attention_reference
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
+from tests.tiny_models import save_tiny_model
 
 WINDOW = 16
 NEW_TOKENS = 24
@@ -130,11 +129,7 @@ def make_tiny_windowed(kind: str, folder: Path, tokenizer_dir: Path):
                 param.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return model
+    return save_tiny_model(model, folder, tokenizer_dir)
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2"])

@@ -4,7 +4,6 @@ and qwen3 (q/k norm, tied embeddings) models, built here from a config: no downl
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,9 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from tests.conftest import hf_greedy
+from tests.tiny_models import save_tiny_model
 
 MAX_NEW_TOKENS = 20
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def make_tiny_model(kind: str, folder: Path, tokenizer_dir: Path):
@@ -44,11 +43,7 @@ def make_tiny_model(kind: str, folder: Path, tokenizer_dir: Path):
                 param.normal_(0.0, 0.5)
             elif "norm" in name:
                 param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, folder / name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return model
+    return save_tiny_model(model, folder, tokenizer_dir)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
