@@ -47,7 +47,8 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         rows, slot = torch.where(ids == e)
         h = expert(e, x[rows]) * weights[rows, slot, None]
         # A row picks an expert once: an accumulating put adds exactly as index_add_ would, and
-        # index_add_'s CPU kernel costs far more per call on a few rows.
+        # index_add_'s CPU kernel opens a parallel region per call, which on a few rows can cost
+        # more than the expert itself when the cores are busy.
         out.index_put_((rows,), h.to(x.dtype), accumulate=True)
     return out
 
