@@ -34,17 +34,22 @@ def rope_scaling_of(cfg: dict[str, Any], rope: dict[str, Any], rope_type: str) -
         if len(rope.get(key) or ()) != head_dim // 2:
             raise ValueError(f"longrope {key} must list head_dim / 2 = {head_dim // 2} factors, "
                              f"got {len(rope.get(key) or ())}")
-    max_pos = cfg.get("max_position_embeddings", 2048)
-    original = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = rope.get("factor")
-    if factor is None:
-        factor = max_pos / original
+    original, factor = _original_length_and_factor(cfg, rope)
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {**rope, "rope_type": "longrope", "original_max_position_embeddings": original,
             "attention_factor": float(attention_factor)}
+
+
+def _original_length_and_factor(cfg: dict[str, Any], rope: dict[str, Any]) -> tuple[int, float]:
+    """LongRoPE's and YaRN's ``original_max_position_embeddings`` (the top-level key first, where
+    Phi-3 keeps it) and ``factor`` (max_position_embeddings / original without one)."""
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    original = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = rope.get("factor")
+    return original, max_pos / original if factor is None else factor
 
 
 def yarn_scaling_of(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
@@ -54,12 +59,7 @@ def yarn_scaling_of(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]
     absent or 0), ``truncate`` (True without it) and the ``attention_factor`` that scales cos and
     sin: the given one, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both
     are set, else mscale(factor) = 0.1 ln(factor) + 1 (1 where factor <= 1)."""
-    max_pos = cfg.get("max_position_embeddings", 2048)
-    original = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = rope.get("factor")
-    if factor is None:
-        factor = max_pos / original
+    original, factor = _original_length_and_factor(cfg, rope)
 
     def mscale_of(scale: float, mscale: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
