@@ -21,7 +21,8 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
-from tests.tiny_models import assert_served_like_the_engine, run_greedy, save_tiny_model, speculative_greedy
+from tests.tiny_models import (assert_served_like_the_engine, bfloat16_agreement, compositions, prefix_hit_greedy,
+                               run_greedy, save_tiny_model, speculative_greedy)
 
 NEW_TOKENS = 16
 WINDOW = 16
@@ -174,14 +175,8 @@ def test_mlp_is_transformers_geglu(tiny_gemma3) -> None:
     assert (erf - theirs).abs().max() > 1e-5
 
 
-COMPOSITIONS = {
-    "default": dict(block_size=16, num_kv_blocks=256),
-    # Every prompt above 24 tokens prefilled in chunks beside other requests' decodes.
-    "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8, **FIXED_BUDGET),
-    # Fewer blocks than the batch needs at once (the global layer keeps every block): running
-    # requests are preempted and recomputed.
-    "preemption": dict(block_size=4, num_kv_blocks=60, max_num_batched_tokens=64, max_num_seqs=8, **FIXED_BUDGET),
-}
+# The global layer keeps every block: 60 of them preempt.
+COMPOSITIONS = compositions(preemption_blocks=60)
 
 
 @pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
@@ -195,13 +190,8 @@ def test_greedy_matches_transformers(tiny_gemma3, prompts, reference, compositio
 def test_prefix_hits_match_transformers(tiny_gemma3, prose_ids: list[int]) -> None:
     shared = [prose_ids[:40] + prose_ids[700 + 9 * i: 700 + 9 * i + 2 + 3 * i] for i in range(5)]
     expected = hf_greedy(tiny_gemma3[1], shared, NEW_TOKENS)
-    engine = Engine(EngineConfig(model=str(tiny_gemma3[0]), dtype="float32", block_size=8, num_kv_blocks=256,
-                                 **FIXED_BUDGET))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    outputs = engine.generate(shared[:1], params) + engine.generate(shared[1:], params)
-    assert engine.stats().prefix_cache_hit_tokens >= 4 * 40
-    assert_same_tokens([o.token_ids for o in outputs], expected)
-    engine.check_invariants()
+    assert_same_tokens(prefix_hit_greedy(tiny_gemma3[0], shared, 40, NEW_TOKENS, block_size=8, num_kv_blocks=256),
+                       expected)
 
 
 def test_triton_kernels_match_transformers(tiny_gemma3, prompts) -> None:
@@ -301,15 +291,7 @@ BF16_AGREEMENT_FLOOR = 0.30
 
 
 def test_bfloat16_agreement_above_floor(tiny_gemma3, prose_ids: list[int]) -> None:
-    from benchmarks.precision_agreement import prefix_share
-
-    prompts = [prose_ids[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate([1, 2, 5, 11, 17, 33, 64, 100, 150, 220,
-                                                                          300, 430])]
-    reference = hf_greedy(tiny_gemma3[1], prompts, 24)
-    engine = Engine(EngineConfig(model=str(tiny_gemma3[0]), dtype="bfloat16", block_size=16, num_kv_blocks=512,
-                                 **FIXED_BUDGET))
-    ours = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))]
-    shares = [prefix_share(a, b) for a, b in zip(ours, reference)]
+    shares = bfloat16_agreement(tiny_gemma3[0], tiny_gemma3[1], prose_ids)
     print(f"gemma3_text: bfloat16 agreement {sum(shares) / len(shares):.3f}")
     assert sum(shares) / len(shares) >= BF16_AGREEMENT_FLOOR, shares
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend import Engine, EngineConfig, SamplingParams
+from backend import Engine, EngineConfig
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
-from tests.tiny_models import (TOKENIZER_FILES, assert_served_like_the_engine, run_greedy,
-                               save_tiny_model, speculative_greedy)
+from tests.tiny_models import (TOKENIZER_FILES, assert_served_like_the_engine, compositions, prefix_hit_greedy,
+                               run_greedy, save_tiny_model, speculative_greedy)
 
 WINDOW = 16
 NEW_TOKENS = 20
@@ -126,13 +126,7 @@ def test_moe_block_equals_transformers(tiny_gpt_oss) -> None:
         torch.testing.assert_close(ours, expected[0], atol=1e-5, rtol=1e-5)
 
 
-COMPOSITIONS = {
-    "default": dict(block_size=16, num_kv_blocks=256),
-    # Every prompt above 24 tokens prefilled in chunks beside other requests' decodes.
-    "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8, **FIXED_BUDGET),
-    # Fewer blocks than the batch needs at once: running requests are preempted and recomputed.
-    "preemption": dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, **FIXED_BUDGET),
-}
+COMPOSITIONS = compositions()
 
 
 @pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
@@ -176,13 +170,8 @@ def test_c_layer_loop_declines(tiny_gpt_oss) -> None:
 def test_prefix_hits_match_transformers(tiny_gpt_oss, prose_ids: list[int]) -> None:
     shared = [prose_ids[:40] + prose_ids[700 + 9 * i: 700 + 9 * i + 2 + 3 * i] for i in range(5)]
     expected = hf_greedy(tiny_gpt_oss[1], shared, NEW_TOKENS)
-    engine = Engine(EngineConfig(model=str(tiny_gpt_oss[0]), dtype="float32", block_size=8, num_kv_blocks=256,
-                                 **FIXED_BUDGET))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    outputs = engine.generate(shared[:1], params) + engine.generate(shared[1:], params)
-    assert engine.stats().prefix_cache_hit_tokens >= 4 * 40
-    assert_same_tokens([o.token_ids for o in outputs], expected)
-    engine.check_invariants()
+    assert_same_tokens(prefix_hit_greedy(tiny_gpt_oss[0], shared, 40, NEW_TOKENS, block_size=8, num_kv_blocks=256),
+                       expected)
 
 
 def test_triton_kernels_match_transformers(tiny_gpt_oss, prompts) -> None:

@@ -18,7 +18,8 @@ from backend.model.architecture import ModelArchitecture
 from kernels.moe import moe_reference, route_softmax_topk
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
-from tests.tiny_models import RepeatLastToken, save_tiny_model
+from tests.tiny_models import (RepeatLastToken, assert_served_like_the_engine, bfloat16_agreement, compositions,
+                               prefix_hit_greedy, save_tiny_model)
 
 NEW_TOKENS = 16
 
@@ -90,11 +91,7 @@ def test_architecture_reads_the_experts(tiny_moe) -> None:
 
 
 COMPOSITIONS = {
-    "default": dict(block_size=16, num_kv_blocks=256),
-    # Every prompt above 24 tokens prefilled in chunks beside other requests' decodes.
-    "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8, **FIXED_BUDGET),
-    # Fewer blocks than the batch needs at once: running requests are preempted and recomputed.
-    "preemption": dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, **FIXED_BUDGET),
+    **compositions(),
     "speculative": dict(block_size=16, num_kv_blocks=256, speculative_method="ngram", num_speculative_tokens=3,
                         speculative_max_batch_size=64, **FIXED_BUDGET),
 }
@@ -114,14 +111,8 @@ def test_prefix_hits_match_transformers(tiny_moe, prose_ids: list[int]) -> None:
     prefix = prose_ids[:48]
     shared = [prefix + prose_ids[600 + 11 * i: 600 + 11 * i + 3 + 5 * i] for i in range(6)]
     expected = hf_greedy(tiny_moe[2], shared, NEW_TOKENS)
-    engine = Engine(EngineConfig(model=str(tiny_moe[1]), dtype="float32", block_size=16, num_kv_blocks=256,
-                                 **FIXED_BUDGET))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    first = engine.generate(shared[:1], params)          # its full blocks go into the prefix cache
-    rest = engine.generate(shared[1:], params)
-    assert engine.stats().prefix_cache_hit_tokens >= 5 * 48
-    assert_same_tokens([o.token_ids for o in first + rest], expected)
-    engine.check_invariants()
+    assert_same_tokens(prefix_hit_greedy(tiny_moe[1], shared, len(prefix), NEW_TOKENS, block_size=16,
+                                         num_kv_blocks=256), expected)
 
 
 def test_triton_kernels_match_transformers(tiny_moe, prompts) -> None:
@@ -186,27 +177,7 @@ def test_expert_lora_is_refused_by_name(tiny_moe, tmp_path: Path) -> None:
 def test_served_by_the_real_server(tiny_moe, tokenizer, prose_ids: list[int], tmp_path: Path) -> None:
     """``--param model=<folder>`` of an MoE family: concurrent streams over one gRPC connection
     and an HTTP generate_stream get the engine's greedy text."""
-    from client import NO_RETRY, LLMClient, http_generate_stream
-    from server.launch import TritonServer, free_ports
-    from tests.conftest import FIXED_BUDGET_PARAMS
-
-    folder = tiny_moe[1]
-    prompts = [tokenizer.decode(prose_ids[9 * i: 9 * i + 8 + 6 * i]) for i in range(6)]
-    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
-    engine = Engine(EngineConfig(model=str(folder), dtype="float32", block_size=16, num_kv_blocks=128, **FIXED_BUDGET))
-    expected = [o.text for o in engine.generate(prompts, SamplingParams(**greedy))]
-    with TritonServer(*free_ports(3), params={"model": str(folder), "dtype": "float32", **FIXED_BUDGET_PARAMS},
-                      log_file=tmp_path / "server.log") as server:
-        client = LLMClient(server.grpc_url, retry=NO_RETRY)
-        texts: dict[str, str] = {}
-        ids = [f"moe-{i}" for i in range(len(prompts))]
-        for chunk in client.stream_many(prompts, greedy, request_ids=ids):
-            assert not isinstance(chunk, tuple), f"request failed: {chunk}"
-            texts[chunk.request_id] = texts.get(chunk.request_id, "") + chunk.text
-        assert [texts[i] for i in ids] == expected
-        http_text = "".join(c.text for c in http_generate_stream(prompts[-1], url=server.http_url, retry=NO_RETRY,
-                                                                 **greedy))
-        assert http_text == expected[-1]
+    assert_served_like_the_engine(tiny_moe[1], tokenizer, prose_ids, tmp_path)
 
 
 # Measured on the 2-core Intel Xeon (AVX512_BF16, no AMX), 12 prompts of 1-430 tokens, 24 greedy
@@ -219,15 +190,7 @@ BF16_AGREEMENT_FLOOR = 0.12
 
 
 def test_bfloat16_agreement_above_floor(tiny_moe, prose_ids: list[int]) -> None:
-    from benchmarks.precision_agreement import prefix_share
-
-    prompts = [prose_ids[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate([1, 2, 5, 11, 17, 33, 64, 100, 150, 220,
-                                                                          300, 430])]
-    reference = hf_greedy(tiny_moe[2], prompts, 24)
-    engine = Engine(EngineConfig(model=str(tiny_moe[1]), dtype="bfloat16", block_size=16, num_kv_blocks=512,
-                                 **FIXED_BUDGET))
-    ours = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))]
-    shares = [prefix_share(a, b) for a, b in zip(ours, reference)]
+    shares = bfloat16_agreement(tiny_moe[1], tiny_moe[2], prose_ids)
     print(f"{tiny_moe[0]}: bfloat16 agreement {sum(shares) / len(shares):.3f}")
     assert sum(shares) / len(shares) >= BF16_AGREEMENT_FLOOR, shares
 

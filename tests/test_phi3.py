@@ -18,8 +18,8 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
-from tests.tiny_models import (assert_served_like_the_engine, prefix_hit_greedy, run_greedy, save_tiny_model,
-                               speculative_greedy)
+from tests.tiny_models import (assert_served_like_the_engine, compositions, prefix_hit_greedy, run_greedy,
+                               save_tiny_model, speculative_greedy)
 
 NEW_TOKENS = 16
 HEAD_DIM = 16
@@ -96,13 +96,7 @@ def test_checkpoint_is_fused_as_ours_and_the_architecture_reads_it(tiny_phi3) ->
         assert arch.tie_word_embeddings
 
 
-COMPOSITIONS = {
-    "default": dict(block_size=16, num_kv_blocks=256),
-    # Every prompt above 24 tokens prefilled in chunks beside other requests' decodes.
-    "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8, **FIXED_BUDGET),
-    # Fewer blocks than the batch needs at once: running requests are preempted and recomputed.
-    "preemption": dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, **FIXED_BUDGET),
-}
+COMPOSITIONS = compositions()
 
 
 @pytest.mark.parametrize("composition", sorted(COMPOSITIONS))

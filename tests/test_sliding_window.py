@@ -22,7 +22,7 @@ from kernels.attention_backend import PackedStep, attention_backend_for
 from kernels.reference import paged_attention_reference
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import compositions, prefix_hit_greedy, save_tiny_model
 
 WINDOW = 16
 NEW_TOKENS = 24
@@ -158,11 +158,7 @@ def test_the_windows_reach_the_layers(tiny_windowed) -> None:
     assert arch.release_window == (WINDOW if kind == "mistral" else None)
 
 
-COMPOSITIONS = {
-    "default": dict(block_size=16, num_kv_blocks=256),
-    "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8, **FIXED_BUDGET),
-    "preemption": dict(block_size=4, num_kv_blocks=60, max_num_batched_tokens=64, max_num_seqs=8, **FIXED_BUDGET),
-}
+COMPOSITIONS = compositions(preemption_blocks=60)
 
 
 @pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
@@ -179,13 +175,8 @@ def test_greedy_matches_transformers(tiny_windowed, prompts, reference, composit
 def test_prefix_hits_match_transformers(tiny_windowed, prose_ids: list[int]) -> None:
     shared = [prose_ids[:40] + prose_ids[700 + 9 * i: 700 + 9 * i + 2 + 3 * i] for i in range(5)]
     expected = hf_greedy(tiny_windowed[2], shared, NEW_TOKENS)
-    engine = Engine(EngineConfig(model=str(tiny_windowed[1]), dtype="float32", block_size=8, num_kv_blocks=256,
-                                 **FIXED_BUDGET))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    outputs = engine.generate(shared[:1], params) + engine.generate(shared[1:], params)
-    assert engine.stats().prefix_cache_hit_tokens >= 4 * 40
-    assert_same_tokens([o.token_ids for o in outputs], expected)
-    engine.check_invariants()
+    assert_same_tokens(prefix_hit_greedy(tiny_windowed[1], shared, 40, NEW_TOKENS, block_size=8, num_kv_blocks=256),
+                       expected)
 
 
 def test_triton_kernels_match_transformers(tiny_windowed, prompts) -> None:

@@ -8,8 +8,25 @@ import shutil
 from pathlib import Path
 
 from backend import Engine, EngineConfig, SamplingParams
+from tests.conftest import FIXED_BUDGET, hf_greedy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# The bfloat16 agreement prompts: the HF-equality lengths (tests/test_bf16_agreement.py measures
+# SmolLM2 on the same shape of run).
+AGREEMENT_PROMPT_LENGTHS = (1, 2, 5, 11, 17, 33, 64, 100, 150, 220, 300, 430)
+
+
+def compositions(preemption_blocks: int = 64) -> dict[str, dict]:
+    """The engine configurations every family's greedy tokens are checked under: the default;
+    every prompt above 24 tokens prefilled in chunks beside other requests' decodes; fewer KV
+    blocks (``preemption_blocks`` of 4 tokens) than the batch needs at once, so running requests
+    are preempted and recomputed."""
+    return {
+        "default": dict(block_size=16, num_kv_blocks=256),
+        "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8, **FIXED_BUDGET),
+        "preemption": dict(block_size=4, num_kv_blocks=preemption_blocks, max_num_batched_tokens=64, max_num_seqs=8,
+                           **FIXED_BUDGET),
+    }
 
 
 def save_tiny_model(model, folder: Path, tokenizer_dir: Path):
@@ -61,11 +78,12 @@ def speculative_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, 
 def prefix_hit_greedy(folder: Path, prompts: list[list[int]], shared_tokens: int, new_tokens: int,
                       **config) -> list[list[int]]:
     """Greedy tokens of ``prompts`` (all starting with the same ``shared_tokens``), the first run
-    alone so that the others hit its cached blocks (checked)."""
+    alone so that the others hit its cached blocks: every whole block of the shared part (checked)."""
     engine = Engine(EngineConfig(model=str(folder), dtype="float32", itl_target_ms=0.0, **config))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     outputs = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
-    assert engine.stats().prefix_cache_hit_tokens >= (len(prompts) - 1) * (shared_tokens // 16) * 16
+    block_size = engine.config.block_size
+    assert engine.stats().prefix_cache_hit_tokens >= (len(prompts) - 1) * (shared_tokens // block_size) * block_size
     engine.check_invariants()
     return [o.token_ids for o in outputs]
 
@@ -94,3 +112,14 @@ def assert_served_like_the_engine(folder: Path, tokenizer, prose_ids: list[int],
         http_text = "".join(c.text for c in http_generate_stream(prompts[-1], url=server.http_url, retry=NO_RETRY,
                                                                  **greedy))
         assert http_text == expected[-1]
+
+
+def bfloat16_agreement(folder: Path, hf_model, prose_ids: list[int]) -> list[float]:
+    """Per prompt, the share of 24 greedy tokens the engine in bfloat16 produces identical to
+    ``hf_model`` (float32) before the first divergence (``benchmarks.precision_agreement``)."""
+    from benchmarks.precision_agreement import prefix_share
+
+    prompts = [prose_ids[7 * i + 1: 7 * i + 1 + n] for i, n in enumerate(AGREEMENT_PROMPT_LENGTHS)]
+    reference = hf_greedy(hf_model, prompts, 24)
+    _, ours = run_greedy(folder, prompts, 24, dtype="bfloat16", block_size=16, num_kv_blocks=512, **FIXED_BUDGET)
+    return [prefix_share(a, b) for a, b in zip(ours, reference)]
