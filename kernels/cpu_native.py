@@ -1,7 +1,7 @@
 """The C kernels for CPU, built on first use: decode attention over the paged cache, float32
 or bfloat16 (kernels/csrc/paged_attention.c), the float32 linear layer (kernels/csrc/linear_f32.c),
-the bfloat16 linear layer and LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer (residual add + RMSNorm, RoPE + KV write, SiLU x up), float32 or bfloat16 (kernels/csrc/layer_ops.c)
-and LoRA over a packed batch (kernels/csrc/lora.c).
+the bfloat16 linear layer and LM head with float32 logits (kernels/csrc/linear_bf16.c), the fused small ops of a layer (residual add + RMSNorm, RoPE + KV write, SiLU x up), float32 or bfloat16 (kernels/csrc/layer_ops.c),
+LoRA over a packed batch (kernels/csrc/lora.c) and a bfloat16 mixture-of-experts block (kernels/csrc/moe.c).
 
 Plain C with OpenMP, no torch headers: gcc builds them in about a second, so they are
 compiled for the machine it runs on (``-march=native``) the first time a process needs it
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "linear_f32.c", "linear_bf16.c", "layer_ops.c",
-                                         "lora.c", "sampling.c", "decoder.c"))
+                                         "lora.c", "sampling.c", "decoder.c", "moe.c"))
 HEADERS = tuple(CSRC / name for name in ("bf16.h", "vec_exp.h"))  # hashed, not compiled alone
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -149,6 +149,7 @@ def _signatures() -> dict[str, tuple[object, list]]:
                                   ctypes.POINTER(DecoderStep), _P, _P, EXTERNAL_PROJECTION, _INT, _INT]),
         "decoder_scratch_layout": (_I64, [_INT, ctypes.POINTER(DecoderShape), _I64, ctypes.POINTER(_I64 * 7)]),
         "argmax_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _INT]),
+        "moe_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _INT]),
         "decode_attention_bf16_vector_width": (_INT, []),
         "decode_attention_bf16_dot_product": (_INT, []),
     }
@@ -392,6 +393,26 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> None:
     [gate | up] per row; the gate half becomes ``SiLU(gate) * up``."""
     function = getattr(load(), "silu_and_mul" + LAYER_OPS_SUFFIXES[gate_up.dtype])
     function(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), torch.get_num_threads())
+
+
+MOE_STATUS = {-1: "scratch allocation failed", -3: "an expert id out of range, or more than 64 experts a row"}
+
+
+def moe_bf16(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+             inter: int, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A SwiGLU mixture-of-experts block (kernels/csrc/moe.c): ``x`` [rows, hidden] bfloat16 (unit
+    column stride), ``ids`` int64 and ``weights`` float32 [rows, top_k] contiguous (routing),
+    ``gate_up`` [experts, panels, hidden / 2, 16, 2] and ``down`` [experts, panels, inter / 2, 16, 2]
+    bfloat16, each expert's weights as ``backend.model.cpu_linear.pack_pairs`` packs them. Returns
+    a new bfloat16 [rows, hidden]."""
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=torch.bfloat16)
+    status = (load() if library is None else library).moe_bf16(
+        x.data_ptr(), rows, hidden, x.stride(0), ids.data_ptr(), weights.data_ptr(), ids.shape[1], gate_up.shape[0],
+        gate_up.data_ptr(), down.data_ptr(), inter, out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"moe_bf16: {MOE_STATUS.get(status, status)}")
+    return out
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

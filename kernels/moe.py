@@ -65,3 +65,22 @@ def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     """``moe_grouped`` over stacked experts: ``gate_up`` [experts, 2 * inter, hidden], ``down``
     [experts, hidden, inter]."""
     return moe_grouped(x, weights, ids, lambda e, rows: swiglu_expert(rows, gate_up[e], down[e]))
+
+
+def moe_reference_bf16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor) -> torch.Tensor:
+    """What kernels/csrc/moe.c computes from bfloat16 operands, spelled out in float32 with its
+    roundings: gate|up rounded to bfloat16, SiLU rounded, its product with up rounded (the
+    dense MLP's ``silu_and_mul``), the down projection kept in float32, each row's expert outputs
+    times their weights summed in float32 in ascending expert order and rounded once. ``x``
+    [rows, hidden], ``gate_up`` [experts, 2 * inter, hidden], ``down`` [experts, hidden, inter],
+    all bfloat16; ``weights`` float32 [rows, top_k]. Returns bfloat16 [rows, hidden]."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = down.shape[-1]
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        h = F.linear(x[rows].float(), gate_up[e].float()).bfloat16().float()
+        act = (F.silu(h[:, :inter]).bfloat16().float() * h[:, inter:]).bfloat16().float()
+        y = F.linear(act, down[e].float())
+        out.index_put_((rows,), y * weights[rows, slot, None].float(), accumulate=True)
+    return out.bfloat16()

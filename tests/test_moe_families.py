@@ -180,12 +180,12 @@ def test_served_by_the_real_server(tiny_moe, tokenizer, prose_ids: list[int], tm
     assert_served_like_the_engine(tiny_moe[1], tokenizer, prose_ids, tmp_path)
 
 
-# Measured on the 2-core Intel Xeon (AVX512_BF16, no AMX), 12 prompts of 1-430 tokens, 24 greedy
-# tokens: the engine in bfloat16 agreed with transformers float32 for a mean 0.264 (Qwen3-MoE) and
-# 0.229 (Mixtral) of the tokens before the first divergence; transformers' own bfloat16 model
-# agreed with its float32 one for 0.181 and 0.271. Tiny random MoE models are that sensitive: a
-# rounding that flips one expert choice changes the token stream (a dense tiny Qwen3: 0.60 for
-# transformers' bfloat16, 0.47 for ours). A wrong value diverges at the first token (0).
+# 12 prompts of 1-430 tokens, 24 greedy tokens: the engine in bfloat16 (the experts in one C call,
+# kernels/csrc/moe.c) agreed with transformers float32 for a mean 0.292 (Qwen3-MoE) and 0.253
+# (Mixtral) of the tokens before the first divergence; transformers' own bfloat16 model agreed with
+# its float32 one for 0.181 and 0.271 (docs/models.md names the machine). Tiny random MoE models are
+# that sensitive: a rounding that flips one expert choice changes the token stream (a dense tiny
+# Qwen3: 0.60 for transformers' bfloat16, 0.47 for ours). A wrong value diverges at the first token (0).
 BF16_AGREEMENT_FLOOR = 0.12
 
 

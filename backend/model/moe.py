@@ -4,9 +4,11 @@ feed-forward, on its MoE layers, is a router over SwiGLU experts.
 The router picks ``top_k`` experts per token (softmax, then top-k, renormalised where the
 config says: ``kernels.moe.route_softmax_topk``); the experts run grouped by expert over the
 packed batch (``kernels.moe``). Each expert is a module of two linear layers, gate|up fused as in
-the dense MLP, so the CPU linear kernels pack them like any other projection
-(``CausalLM.pack_for_cpu``); the loader maps the checkpoint's per-expert tensors onto them
-(``ModelFamily.expert_weights``).
+the dense MLP; the loader maps the checkpoint's per-expert tensors onto them
+(``ModelFamily.expert_weights``). With bfloat16 weights on a CPU where our bfloat16 kernels build,
+``pack_for_cpu`` stacks each layer's experts into ``PackedExperts`` and the block runs as one C
+call (kernels/csrc/moe.c); otherwise each expert's projections are packed like any other
+(``CausalLM.pack_for_cpu``) and run expert by expert.
 LoRA adapters apply to the attention projections only: the experts take none.
 """
 
@@ -17,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.architecture import ModelArchitecture
+from backend.model.cpu_linear import pack_pairs
 from backend.model.llama import MLP, CausalLM
+from kernels import cpu_native
 from kernels.moe import moe_grouped, route_softmax_topk
 
 
@@ -36,6 +40,45 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(h[:, :inter]) * h[:, inter:])
 
 
+class PackedExperts(nn.Module):
+    """A layer's SwiGLU experts stacked in the bfloat16 kernels' packed layout, run as one call
+    (kernels/csrc/moe.c: rows grouped by expert, each chosen expert's weights read once)."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        super().__init__()
+        first = experts[0]
+        self.intermediate_size = first.intermediate_size
+        self.gate_up = self._stack([expert.gate_up_proj.weight for expert in experts])
+        self.down = self._stack([expert.down_proj.weight for expert in experts])
+
+    @staticmethod
+    def _stack(weights: list[torch.Tensor]) -> torch.Tensor:
+        # Filled expert by expert: only one expert's packed copy exists beside the stack.
+        first = pack_pairs(weights[0])
+        stacked = torch.empty(len(weights), *first.shape, dtype=first.dtype)
+        stacked[0] = first
+        for e, weight in enumerate(weights[1:], start=1):
+            stacked[e] = pack_pairs(weight)
+        return stacked
+
+    @staticmethod
+    def applies(experts: nn.ModuleList) -> bool:
+        """bfloat16 CPU weights of even sizes (the kernel reads k in pairs), and the kernel built."""
+        weight = experts[0].gate_up_proj.weight
+        return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+                and experts[0].intermediate_size % 2 == 0 and cpu_native.linear_bf16_available())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        # The routing weights rounded to the activations' dtype first, as transformers does.
+        weights = weights.to(x.dtype).float().contiguous()
+        out = cpu_native.moe_bf16(rows, ids.contiguous(), weights, self.gate_up, self.down, self.intermediate_size)
+        return out.view(*leading, x.shape[-1])
+
+
 class SparseMoE(nn.Module):
     def __init__(self, arch: ModelArchitecture, layer: int = 0) -> None:
         super().__init__()
@@ -46,9 +89,21 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(arch.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
         self.layer_ops = None   # the fused SiLU x up of dense MLPs does not apply here
+        self.packed_experts: PackedExperts | None = None    # set by pack_experts_for_cpu
+
+    def pack_experts_for_cpu(self) -> bool:
+        """Stack the experts for the one-call kernel where it applies (``PackedExperts.applies``);
+        the per-expert modules are then dropped. Returns whether it did."""
+        if self.packed_experts is not None or not PackedExperts.applies(self.experts):
+            return self.packed_experts is not None
+        self.packed_experts = PackedExperts(self.experts)
+        self.experts = nn.ModuleList()
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        if self.packed_experts is not None:
+            return self.packed_experts(x, weights, ids)
         return moe_grouped(x, weights, ids, lambda e, rows: self.experts[e](rows))
 
 
@@ -60,3 +115,11 @@ class MoECausalLM(CausalLM):
 
     def make_mlp(self, arch: ModelArchitecture, layer: int) -> nn.Module:
         return SparseMoE(arch, layer) if arch.is_moe_layer(layer) else MLP(arch, layer)
+
+    def pack_for_cpu(self, kind: str, onednn_batch_hint: int | None = None) -> None:
+        """The experts stacked for the one-call kernel where it applies (before the other
+        projections are packed, so that the experts' per-projection packing is never made)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.pack_experts_for_cpu()
+        super().pack_for_cpu(kind, onednn_batch_hint)

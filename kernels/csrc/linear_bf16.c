@@ -118,22 +118,34 @@ static void tile_any(const int mr, const int np, const int64_t pairs, const uint
 #undef TILE
 }
 
-static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR, pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
-    const int one_tile = m <= ONE_TILE_ROWS;
-    const int64_t group = one_tile ? 1 : NP, tile_rows = one_tile ? m : MR;
-    const int64_t groups = (panels + group - 1) / group;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t p0 = g * group, column = p0 * NR;
-        const int np = panels - p0 < group ? (int)(panels - p0) : (int)group;
+/* Panels per group and rows per tile for m rows (the blocking described at the top). */
+static int64_t panel_group(const int64_t m) { return m <= ONE_TILE_ROWS ? 1 : NP; }
+
+/* Rows [0, m) times panels [p0, p1) into y (row stride ldy), on the calling thread. */
+static int panel_range(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, int64_t p0, int64_t p1, float *yf, uint16_t *yb, int64_t ldy) {
+    const int64_t pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
+    const int64_t group = panel_group(m), tile_rows = m <= ONE_TILE_ROWS ? m : MR;
+    for (int64_t q = p0; q < p1; q += group) {
+        const int np = p1 - q < group ? (int)(p1 - q) : (int)group;
+        const int64_t column = q * NR;
         for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
             const int mr = m - r0 < tile_rows ? (int)(m - r0) : (int)tile_rows;
-            const int64_t at = r0 * n + column;
-            tile_any(mr, np, pairs, x + r0 * ldx, ldx, packed + p0 * panel_stride, panel_stride,
-                     bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column, r0 == 0);
+            const int64_t at = r0 * ldy + column;
+            tile_any(mr, np, pairs, x + r0 * ldx, ldx, packed + q * panel_stride, panel_stride,
+                     bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, ldy, n - column, r0 == 0);
         }
+    }
+    return 0;
+}
+
+static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR, group = panel_group(m), groups = (panels + group - 1) / group;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t p0 = g * group, p1 = p0 + group < panels ? p0 + group : panels;
+        panel_range(x, m, k, ldx, packed, n, bias, p0, p1, yf, yb, n);
     }
     return 0;
 }
@@ -272,9 +284,39 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
     free(wide);
     return 0;
 }
+
+/* Rows [0, m) times panels [p0, p1) into y (row stride ldy), on the calling thread: the rows
+ * widened for this call alone. */
+static int panel_range(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, int64_t p0, int64_t p1, float *yf, uint16_t *yb, int64_t ldy) {
+    const int64_t pairs = (k + 1) / 2, panel_stride = pairs * 2 * NR;
+    float *wide = malloc(sizeof(float) * (size_t)(m * pairs * 2 + 1));
+    if (wide == NULL) return -1;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < k; ++c) wide[r * pairs * 2 + c] = bf16_to_f32(x[r * ldx + c]);
+    for (int64_t m0 = 0; m0 < m; m0 += AVX2_MC) {
+        const int64_t mc = m - m0 < AVX2_MC ? m - m0 : AVX2_MC;
+        for (int64_t p = p0; p < p1; ++p) {
+            const uint16_t *panel = packed + p * panel_stride;
+            const int64_t column = p * NR, at = m0 * ldy + column;
+            panel_rows(mc, pairs, wide + m0 * pairs * 2, pairs * 2, panel, p + 1 < p1 ? panel + panel_stride : NULL,
+                       bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, ldy,
+                       n - column < NR ? n - column : NR);
+        }
+    }
+    free(wide);
+    return 0;
+}
 #else
 
 #define LINEAR_BF16_BASE_ISA 0
+
+static int panel_range(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, int64_t p0, int64_t p1, float *yf, uint16_t *yb, int64_t ldy) {
+    (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)bias, (void)p0, (void)p1, (void)yf, (void)yb;
+    (void)ldy;
+    return -1;
+}
 
 static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                        const float *bias, float *yf, uint16_t *yb, int num_threads) {
@@ -557,3 +599,11 @@ int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint
     return linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
 }
 
+/* A piece of one matmul for a caller that shares the work out itself (moe.c: the experts of a
+ * layer in one parallel region): rows [0, m) of x times panels [p0, p1) of packed, float32 (yf)
+ * or bfloat16 (yb) out with row stride ldy, no bias, on the calling thread (no OpenMP, no AMX:
+ * the dot products, or the AVX2 version). */
+int linear_bf16_panels(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       int64_t p0, int64_t p1, float *yf, uint16_t *yb, int64_t ldy) {
+    return panel_range(x, m, k, ldx, packed, n, NULL, p0, p1, yf, yb, ldy);
+}
