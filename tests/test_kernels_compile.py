@@ -164,6 +164,38 @@ def compile_layer_ops(dtype_name: str) -> list[str]:
     return done
 
 
+def compile_moe(dtype_name: str) -> list[str]:
+    """The grouped expert matmul (kernels/triton_moe.py): gate|up and down (route-weighted, float32
+    out) of a Qwen3-30B-A3B layer (hidden 2048, 128 experts of 768, top-8) and of Mixtral 8x7B's
+    (hidden 4096, 8 experts of 14336, top-2), in decode (blocks of 16) and prefill (blocks of 64)
+    steps."""
+    import torch
+
+    from kernels.triton_moe import ExpertAlignment, block_m_for, grouped_matmul_launch
+
+    dtype = getattr(torch, dtype_name)
+    meta = torch.device("meta")
+    done = []
+    for hidden, experts, inter, top_k in ((2048, 128, 768, 8), (4096, 8, 14336, 2)):
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=meta)
+        down = torch.empty(experts, hidden, inter, dtype=dtype, device=meta)
+        for rows in (64, 512):
+            assignments = rows * top_k
+            block_m = block_m_for(assignments, experts)
+            blocks = (assignments + min(experts, assignments) * (block_m - 1)) // block_m + 1
+            alignment = ExpertAlignment(torch.empty(blocks * block_m, dtype=torch.int32, device=meta),
+                                        torch.empty(blocks, dtype=torch.int32, device=meta),
+                                        torch.empty(1, dtype=torch.int64, device=meta), block_m)
+            x = torch.empty(rows, hidden, dtype=dtype, device=meta)
+            h = torch.empty(assignments, 2 * inter, dtype=dtype, device=meta)
+            y = torch.empty(assignments, hidden, dtype=torch.float32, device=meta)
+            weights = torch.empty(assignments, dtype=torch.float32, device=meta)
+            for launch, what in ((grouped_matmul_launch(x, top_k, gate_up, h, alignment), "gate_up"),
+                                 (grouped_matmul_launch(h[:, :inter], 1, down, y, alignment, weights), "down")):
+                done += _compile(launch, dtype, f"{what} hidden {hidden} e{experts} i{inter} rows {rows}")
+    return done
+
+
 def compile_all() -> list[str]:
     """Every group on its own process, as many at once as this process has cores (compiling
     is single-threaded: on 2 cores this halves the ~80 s it takes serially)."""
@@ -172,6 +204,7 @@ def compile_all() -> list[str]:
     groups = [(compile_attention, dtype) for dtype in ("bfloat16", "float16", "float32")]
     groups += [(compile_lora, dtype) for dtype in ("bfloat16", "float16", "float32")]
     groups += [(compile_layer_ops, dtype) for dtype in ("bfloat16", "float16", "float32")]
+    groups += [(compile_moe, dtype) for dtype in ("bfloat16", "float32")]
     with ProcessPoolExecutor(max_workers=min(len(groups), len(os.sched_getaffinity(0)))) as pool:
         results = [pool.submit(function, dtype) for function, dtype in groups]
         return [label for result in results for label in result.result()]
@@ -192,6 +225,8 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
     layer_ops = [line for line in compiled if line.startswith(("_add_rms_norm", "_rope_and_cache", "_silu_and_mul"))]
     # (8 norms + the rope of each layout + 2 SiLUs) x (bf16 on two targets, fp16, fp32)
     assert len(layer_ops) == (8 + len(LAYOUTS) + 2) * (2 + 1 + 1), layer_ops
+    moe = [line for line in compiled if line.startswith("_grouped_matmul")]
+    assert len(moe) == 2 * 2 * 2 * (2 + 1), moe   # 2 layers x 2 steps x 2 matmuls x (bf16 on two targets, fp32)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 from backend import Engine, EngineConfig, SamplingParams
 from backend.errors import InvalidRequestError
 from backend.model.architecture import ModelArchitecture
+from backend.model.moe import SparseMoE
 from kernels.moe import moe_reference, route_softmax_topk
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
@@ -116,13 +117,16 @@ def test_prefix_hits_match_transformers(tiny_moe, prose_ids: list[int]) -> None:
 
 
 def test_triton_kernels_match_transformers(tiny_moe, prompts) -> None:
-    """Attention through the Triton kernels (the interpreter on CPU), short prompts: the
-    interpreter's time grows with the tokens."""
+    """Attention and experts through the Triton kernels (the interpreter on CPU), short prompts:
+    the interpreter's time grows with the tokens."""
     short = [p for p in prompts if len(p) <= 33]
     expected = hf_greedy(tiny_moe[2], short, 8)
-    _, ours = run(tiny_moe[1], short, 8, attention_backend="triton", block_size=16, num_kv_blocks=128,
-                  **FIXED_BUDGET)
+    engine, ours = run(tiny_moe[1], short, 8, attention_backend="triton", block_size=16, num_kv_blocks=128,
+                       **FIXED_BUDGET)
     assert_same_tokens(ours, expected)
+    # the experts ran in Triton too (kernels/triton_moe.py), not expert by expert
+    blocks = [m for m in engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.stacked_experts is not None and len(b.experts) == 0 for b in blocks)
 
 
 def test_dummy_weights_load(tiny_moe) -> None:

@@ -8,7 +8,8 @@ the dense MLP; the loader maps the checkpoint's per-expert tensors onto them
 (``ModelFamily.expert_weights``). With bfloat16 weights on a CPU where our bfloat16 kernels build,
 ``pack_for_cpu`` stacks each layer's experts into ``PackedExperts`` and the block runs as one C
 call (kernels/csrc/moe.c); otherwise each expert's projections are packed like any other
-(``CausalLM.pack_for_cpu``) and run expert by expert.
+(``CausalLM.pack_for_cpu``) and run expert by expert. With the Triton attention backend (CUDA, or
+the interpreter in tests) the experts are stacked and run in Triton (kernels/triton_moe.py).
 LoRA adapters apply to the attention projections only: the experts take none.
 """
 
@@ -22,6 +23,7 @@ from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import pack_pairs
 from backend.model.llama import MLP, CausalLM
 from kernels import cpu_native
+from kernels.attention_backend import AttentionBackendKind
 from kernels.moe import moe_grouped, route_softmax_topk
 
 
@@ -90,20 +92,32 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(arch.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
         self.layer_ops = None   # the fused SiLU x up of dense MLPs does not apply here
         self.packed_experts: PackedExperts | None = None    # set by pack_experts_for_cpu
+        self.stacked_experts: tuple[torch.Tensor, torch.Tensor] | None = None   # set by stack_experts_for_triton
 
     def pack_experts_for_cpu(self) -> bool:
         """Stack the experts for the one-call kernel where it applies (``PackedExperts.applies``);
         the per-expert modules are then dropped. Returns whether it did."""
-        if self.packed_experts is not None or not PackedExperts.applies(self.experts):
+        if self.packed_experts is not None or not len(self.experts) or not PackedExperts.applies(self.experts):
             return self.packed_experts is not None
         self.packed_experts = PackedExperts(self.experts)
         self.experts = nn.ModuleList()
         return True
 
+    def stack_experts_for_triton(self) -> None:
+        """Stack the experts' weights ([experts, 2 * inter, hidden] and [experts, hidden, inter])
+        for the Triton kernel (kernels/triton_moe.py); the per-expert modules are then dropped."""
+        if self.stacked_experts is None and len(self.experts):
+            self.stacked_experts = (torch.stack([e.gate_up_proj.weight.detach() for e in self.experts]),
+                                    torch.stack([e.down_proj.weight.detach() for e in self.experts]))
+            self.experts = nn.ModuleList()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
         if self.packed_experts is not None:
             return self.packed_experts(x, weights, ids)
+        if self.stacked_experts is not None:
+            from kernels.triton_moe import fused_moe     # imported on first use, as the Triton attention is
+            return fused_moe(x, weights, ids, *self.stacked_experts)
         return moe_grouped(x, weights, ids, lambda e, rows: self.experts[e](rows))
 
 
@@ -116,9 +130,23 @@ class MoECausalLM(CausalLM):
     def make_mlp(self, arch: ModelArchitecture, layer: int) -> nn.Module:
         return SparseMoE(arch, layer) if arch.is_moe_layer(layer) else MLP(arch, layer)
 
+    def _stack_experts_for_triton(self) -> None:
+        """With the Triton attention backend, the experts run in Triton too (kernels/triton_moe.py),
+        whether or not the family's other layer ops fuse (Qwen3-MoE's q/k norms keep them apart)."""
+        if self.attention_backend.name == AttentionBackendKind.TRITON:
+            for module in self.modules():
+                if isinstance(module, SparseMoE):
+                    module.stack_experts_for_triton()
+
+    def use_fused_layer_ops(self, enabled: bool) -> str | None:
+        self._stack_experts_for_triton()
+        return super().use_fused_layer_ops(enabled)
+
     def pack_for_cpu(self, kind: str, onednn_batch_hint: int | None = None) -> None:
         """The experts stacked for the one-call kernel where it applies (before the other
-        projections are packed, so that the experts' per-projection packing is never made)."""
+        projections are packed, so that the experts' per-projection packing is never made); with
+        the Triton backend (the interpreter on CPU), stacked for it instead."""
+        self._stack_experts_for_triton()
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.pack_experts_for_cpu()
