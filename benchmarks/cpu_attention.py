@@ -59,7 +59,25 @@ def build_revision(revision: str, cflags: tuple[str, ...]) -> ctypes.CDLL:
             text = subprocess.run(["git", "show", spec], cwd=repo, check=True, capture_output=True,
                                   text=True).stdout if exists else path.read_text()
             (folder / path.name).write_text(text)
-        return cpu_native.open_library(cpu_native.build(cflags=cflags, folder=folder), strict=False)
+        library = cpu_native.open_library(cpu_native.build(cflags=cflags, folder=folder), strict=False)
+        if "int64_t window" not in (folder / "paged_attention.c").read_text():
+            _without_window_and_sinks(library)
+        return library
+
+
+ATTENTION_FUNCTIONS = tuple(f"paged_{kind}_attention_{dtype}" for kind in ("decode", "prefill")
+                            for dtype in ("f32", "bf16"))
+
+
+def _without_window_and_sinks(library: ctypes.CDLL) -> None:
+    """A revision from before the attention kernels took a window and sinks: their arguments end
+    in (scale, num_threads), where cpu_native's wrappers pass (scale, window, sinks,
+    num_threads). Each function is replaced on the library object by one that drops the two (the
+    benchmark runs neither)."""
+    for name in ATTENTION_FUNCTIONS:
+        function = getattr(library, name)
+        function.argtypes = function.argtypes[:-3] + function.argtypes[-1:]
+        setattr(library, name, lambda *args, function=function: function(*args[:-3], args[-1]))
 
 
 def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,

@@ -11,7 +11,8 @@ prompt-attention choice (``honours_sdpa_choice``).
   against. It loops over sequences on the host, so no CUDA graph can hold it.
 - ``cpu``: the batched CPU path (kernels/cpu_attention.py): the C kernels, or torch's SDPA for
   long prompts where the start-up chose it. Its per-step plan syncs with the host. The C
-  kernels take no attention sinks yet: steps with sinks (gpt-oss) go through the reference.
+  kernels take sliding windows and attention sinks (gpt-oss); layers with either keep their
+  prompts off SDPA.
 - ``triton``: the Triton kernels (kernels/triton_attention.py), on CUDA or, for tests, in
   Triton's interpreter (``TRITON_INTERPRET=1``). Imported on first use, so CPU serving never
   pays for importing triton.
@@ -160,17 +161,11 @@ class CpuAttention(AttentionBackend):
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
                scale: float, plan: AttentionPlan | None = None, window: int | None = None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if sinks is not None or (window is not None and _longest_sequence(step) > window):
-            # The C kernels attend every key of a sequence and take no sinks: a step whose
-            # sequences outgrew the window, or any step with sinks (gpt-oss), goes through the
-            # reference, which slices each sequence to its window and adds the sinks.
-            return paged_attention_reference(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                                              step.block_tables, scale, window, sinks)
         if plan is None:
             # Attention alone writes nothing: the slots only matter to write_kv.
             plan = plan_attention_cpu(step.query_start_loc, step.seq_lens, step.block_tables,
                                       torch.zeros(query.shape[0], dtype=torch.int64), key_cache.shape[1])
-        return paged_attention_cpu(query, key_cache, value_cache, scale, plan)
+        return paged_attention_cpu(query, key_cache, value_cache, scale, plan, window=window, sinks=sinks)
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The C layer ops (kernels/csrc/layer_ops.c), for float32 or bfloat16 on the CPU, where
@@ -178,10 +173,6 @@ class CpuAttention(AttentionBackend):
         if dtype in cpu_native.LAYER_OPS_SUFFIXES and device.type == "cpu" and cpu_native.load() is not None:
             return cpu_native
         return None
-
-
-def _longest_sequence(step: StepLayout) -> int:
-    return step.max_seq_len if step.max_seq_len is not None else int(step.seq_lens.max())
 
 
 def _triton_attention() -> ModuleType:

@@ -28,6 +28,10 @@ layer reuses them:
   its gathered context with a mask. Without AVX-512 ours ran well ahead of SDPA
   (docs/benchmarks.md, "Prompt attention: ours against torch's SDPA"), so there it is never
   chosen.
+- Sliding windows and attention sinks (``window``, ``sinks``: the reference's meanings) go to
+  the C kernels, which start each query's keys at its window and add the sinks. A layer with
+  either sends its SDPA prefills to the C prefill kernel too (``CpuAttentionPlan.every_prefill``),
+  and where the C kernels do not apply (torch's path) it goes through the reference.
 
 Scores and softmax are float32 whatever the cache dtype, as in the reference.
 """
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.reference import paged_attention_reference
 
 
 class PrefillAttention(str, enum.Enum):
@@ -90,6 +95,11 @@ class TorchAttentionPlan:
     write_slots: torch.Tensor            # their slots
 
 
+# The C prefill kernel's per-sequence arguments: first query rows, query lengths, sequence
+# lengths (int64) and block tables (int32, contiguous).
+PrefillArrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class CpuAttentionPlan:
     """One step's attention indices, shared by every layer: what the C kernels read, built
@@ -116,6 +126,24 @@ class CpuAttentionPlan:
     @functools.cached_property
     def torch_plan(self) -> TorchAttentionPlan:
         return plan_torch_attention(self)
+
+    @property
+    def native_prefills(self) -> PrefillArrays | None:
+        """The C prefill kernel's arguments for the prefills not in ``sdpa_spans`` (None: none)."""
+        if self.prefill_starts is None:
+            return None
+        return self.prefill_starts, self.prefill_query_lens, self.prefill_seq_lens, self.prefill_tables
+
+    @functools.cached_property
+    def every_prefill(self) -> PrefillArrays | None:
+        """``native_prefills`` for every prefill of the step, ``sdpa_spans`` included: for the layers
+        SDPA cannot serve (``paged_attention_cpu`` says why). Built on first use."""
+        if not self.sdpa_spans:
+            return self.native_prefills
+        query_lens = self.starts[1:] - self.starts[:-1]
+        seqs = (query_lens > 1).nonzero().squeeze(1)
+        return (self.starts[seqs], query_lens[seqs], self.seq_lens[seqs],
+                self.block_tables.index_select(0, seqs).to("cpu", torch.int32).contiguous())
 
 
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -204,26 +232,42 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int, length: int,
 
 
 def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        scale: float, plan: CpuAttentionPlan, native: bool | None = None) -> torch.Tensor:
-    """Same contract as ``paged_attention_reference``, driven by a precomputed plan.
-    ``native``: decode rows through the C kernel (None: when it applies and is available)."""
-    out = torch.empty_like(query)
+                        scale: float, plan: CpuAttentionPlan, native: bool | None = None, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``paged_attention_reference`` (``window``, ``sinks`` included), driven by
+    a precomputed plan. ``native``: decode rows through the C kernel (None: when it applies and
+    is available)."""
     if native is None:
         native = (key_cache.dtype == query.dtype and query.dtype in cpu_native.DECODE_ATTENTION_DTYPES
                   and cpu_native.load() is not None)
+    window_or_sinks = window is not None or sinks is not None
+    if window_or_sinks and not native:
+        # torch's path gathers every key of a sequence (the blocks before a window may have been
+        # released: their slots hold anything) and has no sinks; it only serves what the C
+        # kernels cannot (float16, mixed dtypes, no compiler), and the reference does it right.
+        return paged_attention_reference(query, key_cache, value_cache, plan.starts, plan.seq_lens,
+                                         plan.block_tables, scale, window, sinks)
+    out = torch.empty_like(query)
+    c_window = 0 if window is None else window
+    c_sinks = None if sinks is None else sinks.float().contiguous()
     if plan.decode_rows is not None:
         if native:
             query = query.contiguous()
             cpu_native.paged_decode_attention(query, out, plan.decode_rows, plan.decode_seq_lens,
-                                              plan.decode_tables, key_cache, value_cache, scale)
+                                              plan.decode_tables, key_cache, value_cache, scale,
+                                              window=c_window, sinks=c_sinks)
         else:
             _decode_attention_torch(query, key_cache, value_cache, scale, plan, out)
     if native:
-        if plan.prefill_starts is not None:
-            cpu_native.paged_prefill_attention(query.contiguous(), out, plan.prefill_starts, plan.prefill_query_lens,
-                                               plan.prefill_seq_lens, plan.prefill_tables, key_cache, value_cache,
-                                               scale)
-        sdpa_prefill_attention(query, key_cache, value_cache, scale, plan, out)
+        # SDPA takes no sinks, and a window as a mask would still gather (and weigh by zero) the
+        # keys before it, whose released blocks may hold NaN: a layer with either attends the
+        # plan's SDPA prefills in the C kernel with the rest.
+        prefills = plan.every_prefill if window_or_sinks else plan.native_prefills
+        if prefills is not None:
+            cpu_native.paged_prefill_attention(query.contiguous(), out, *prefills, key_cache, value_cache, scale,
+                                               window=c_window, sinks=c_sinks)
+        if not window_or_sinks:
+            sdpa_prefill_attention(query, key_cache, value_cache, scale, plan, out)
         return out
     # torch's path attends every prefill, sdpa_spans included (torch_plan lists them all), in
     # float32 whatever the cache dtype: torch's CPU flash attention would take bfloat16 as it

@@ -154,10 +154,11 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "decode_attention_bf16_dot_product": (_INT, []),
     }
     for suffix in LAYER_OPS_SUFFIXES.values():
+        # ... scale, window, sinks (float32 [num_heads] or NULL), num_threads
         signatures["paged_decode_attention" + suffix] = (
-            _INT, [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _INT])
+            _INT, [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _INT])
         signatures["paged_prefill_attention" + suffix] = (
-            _INT, [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _INT])
+            _INT, [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _INT])
         signatures["add_rms_norm" + suffix] = (None, [_P, _P, _P, _P, _I64, _I64, _F])
         signatures["rope_and_cache" + suffix] = (None, [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64])
         signatures["silu_and_mul" + suffix] = (None, [_P, _I64, _I64, _I64, _INT])
@@ -298,34 +299,42 @@ DECODE_ATTENTION_DTYPES = {torch.float32: "paged_decode_attention_f32", torch.bf
 
 def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           scale: float, library: ctypes.CDLL | None = None) -> None:
+                           scale: float, library: ctypes.CDLL | None = None, *, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> None:
     """Decode rows ``rows`` of ``query`` attend over their sequences' pages; results go to the
     same rows of ``out``. Contiguous tensors: query, out and caches all float32 or all
     bfloat16 (``DECODE_ATTENTION_DTYPES``); rows / seq_lens int64, tables int32.
+    ``window``: keys each query sees (0: all), never reading before them; ``sinks``: one float32
+    logit per query head in every softmax, or None (``paged_attention_reference``'s meanings).
     ``library``: another build of the kernels (tests); default ``load()``."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
     name = _attention_kernel(DECODE_ATTENTION_DTYPES, "decode", query, out, key_cache, value_cache,
-                             (rows, seq_lens), block_tables)
+                             (rows, seq_lens), block_tables, sinks)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), rows.shape[0], num_heads, num_kv_heads,
-        head_dim, block_size, scale, torch.get_num_threads())
+        head_dim, block_size, scale, window, None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"{name}: scratch allocation failed")
 
 
 def _attention_kernel(kernels: dict[torch.dtype, str], kind: str, query: torch.Tensor, out: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor, indices: tuple[torch.Tensor, ...],
-                      block_tables: torch.Tensor) -> str:
+                      block_tables: torch.Tensor, sinks: torch.Tensor | None) -> str:
     """The kernel's name for the query's dtype, after checking every tensor an attention kernel
-    reads: contiguous CPU tensors, query/out/caches of one dtype, ``indices`` int64, tables int32."""
+    reads: contiguous CPU tensors, query/out/caches of one dtype, ``indices`` int64, tables int32,
+    sinks (where given) float32 with one per query head."""
     if query.dtype not in kernels:
         raise ValueError(f"no C {kind} attention for {query.dtype}")
     check_tensors([(query, query.dtype), (out, query.dtype), (key_cache, query.dtype), (value_cache, query.dtype),
                    *((index, torch.int64) for index in indices), (block_tables, torch.int32)])
+    if sinks is not None:
+        check_tensors([(sinks, torch.float32)])
+        if sinks.numel() != query.shape[1]:
+            raise ValueError(f"expected one sink per query head ({query.shape[1]}), got {sinks.numel()}")
     return kernels[query.dtype]
 
 
@@ -343,21 +352,23 @@ PREFILL_ATTENTION_DTYPES = {torch.float32: "paged_prefill_attention_f32",
 
 def paged_prefill_attention(query: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
                             seq_lens: torch.Tensor, block_tables: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor, scale: float, library: ctypes.CDLL | None = None) -> None:
+                            value_cache: torch.Tensor, scale: float, library: ctypes.CDLL | None = None, *,
+                            window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """Prefill sequence i's ``query_lens[i]`` query rows from row ``starts[i]`` attend causally
     over its ``seq_lens[i]`` tokens (the queries are the last ones); results go to the same
-    rows of ``out``. Same dtype and layout rules as ``paged_decode_attention``; starts,
-    query_lens and seq_lens int64, tables int32."""
+    rows of ``out``. Same dtype and layout rules, ``window`` and ``sinks`` as
+    ``paged_decode_attention``; starts, query_lens and seq_lens int64, tables int32."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
     name = _attention_kernel(PREFILL_ATTENTION_DTYPES, "prefill", query, out, key_cache, value_cache,
-                             (starts, query_lens, seq_lens), block_tables)
+                             (starts, query_lens, seq_lens), block_tables, sinks)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), starts.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), starts.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        num_heads, num_kv_heads, head_dim, block_size, scale, window, None if sinks is None else sinks.data_ptr(),
+        torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"{name}: scratch allocation failed")
 

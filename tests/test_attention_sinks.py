@@ -4,8 +4,8 @@ denominator, its value contributing nothing.
 The reference against the definition written out in float64 (with and without a sliding
 window); the Triton kernels (the interpreter on CPU) against the reference over the kernel
 tests' batch kinds, with and without windows, in float32 and bfloat16, and with split-KV (the
-merge adds the sink once); the CPU backend, whose C kernels take no sinks, through the
-reference. The batches carry NaN wherever a kernel must not read (tests/paged_batches.py).
+merge adds the sink once); the CPU backend through its C kernels (never the reference;
+tests/test_cpu_attention.py checks each build of them). The batches carry NaN wherever a kernel must not read (tests/paged_batches.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from kernels import cpu_attention, cpu_native
 from kernels.attention_backend import PackedStep, attention_backend_for
 from kernels.reference import paged_attention_reference
 from tests.paged_batches import DEVICE, SCENARIOS, TOLERANCES, PagedBatch, make_batch, scenario_specs
@@ -116,9 +117,13 @@ def test_triton_split_kv_adds_the_sink_once(window: int | None) -> None:
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
-def test_every_backend_takes_sinks(backend: str) -> None:
-    """``AttentionBackend.attend(..., sinks=...)``: the cpu backend through the reference (its C
-    kernels take no sinks), with and without a window."""
+def test_every_backend_takes_sinks(backend: str, monkeypatch) -> None:
+    """``AttentionBackend.attend(..., sinks=...)``, with and without a window: the cpu backend
+    through its C kernels, the reference refused."""
+    if backend == "cpu":
+        assert cpu_native.load() is not None, "the C kernels must build here (gcc is part of the machine)"
+        monkeypatch.setattr(cpu_attention, "paged_attention_reference",
+                            lambda *args: pytest.fail("the cpu backend sent a step with sinks to the reference"))
     device = DEVICE if backend == "triton" else torch.device("cpu")
     batch = make_batch(7, [(40, 1), (0, 25), (50, 9)], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                        torch.float32, device)

@@ -25,7 +25,8 @@ import torch
 
 import kernels
 from backend.model.cpu_features import detect
-from kernels import EVERY_PREFILL, cpu_native
+from kernels import EVERY_PREFILL, cpu_attention, cpu_native
+from kernels.attention_backend import CpuAttention, PackedStep
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 from tests.paged_batches import SCENARIOS, SHAPES, TOLERANCES, PagedBatch, make_batch, scenario_specs, shape_id
 
@@ -282,7 +283,8 @@ def test_which_dtypes_take_the_c_kernel(dtype: torch.dtype, decode_path: str, mo
     no C kernel and takes the torch path (and still matches the reference)."""
     calls = []
     kernel = cpu_native.paged_decode_attention
-    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(cpu_native, "paged_decode_attention",
+                        lambda *args, **kwargs: calls.append(args) or kernel(*args, **kwargs))
     seed = random.randrange(1 << 30)
     specs = scenario_specs("decode", random.Random(seed), 16)
     batch = make_batch(seed, specs, 8, 2, 64, 16, dtype, CPU)
@@ -463,3 +465,177 @@ def test_each_prefill_kernel_version_matches_reference(kernel_version, dtype: to
         check(out[prefill_rows], expected[prefill_rows], dtype, f"{name}, {threads} threads, seed {seed}, specs {specs}")
         decode_rows = torch.tensor([i for i in range(out.shape[0]) if i not in set(prefill_rows.tolist())])
         assert out[decode_rows].isnan().all(), "the prefill kernel wrote rows that are not its own"
+
+
+# ---- sliding windows and attention sinks -------------------------------------------------------
+# A query at position p with a window of W keys sees keys p - W + 1 .. p; a sink is one more
+# logit per query head in every row's softmax, with no value (kernels/reference.py). The KV
+# blocks wholly before a sequence's window may have been released by the engine, so the kernels
+# must not read before the window at all: the batches below hold NaN in every slot before the
+# first key each sequence's first query sees.
+
+# GQA 4, 3, 1 and 8; head sizes for each function (bfloat16: 64, 32, 128 the dot-product ones
+# where built, 12 the generic ones; float32: 12 generic, the rest AVX2 where built); block sizes
+# 16, 8 and 32.
+WINDOW_SHAPES = [(8, 2, 64, 16), (9, 3, 32, 8), (3, 3, 12, 16), (8, 1, 128, 32)]
+# Windows: one key; 13 and 37 (no multiple of a block size); 16 (a multiple of 8 and 16 but
+# not 32); one sequence's whole length; longer than every sequence. None: sinks alone.
+WINDOW_CASES = [(window, with_sinks) for window in (None, 1, 13, 16, 37, "equal", "longer")
+                for with_sinks in (False, True) if window is not None or with_sinks]
+
+
+def window_case_id(case: tuple[int | str | None, bool]) -> str:
+    window, with_sinks = case
+    return f"window-{window or 'none'}{'-sinks' if with_sinks else ''}"
+
+
+def poison_before_windows(batch: PagedBatch, window: int) -> int:
+    """NaN in every cache slot before the first key each sequence's first query sees (whole
+    released blocks, and the slots before the window in its first block: the kernels start at
+    the window's first key). Returns how many slots were poisoned."""
+    block_size = batch.key_cache.shape[1]
+    starts = batch.query_start_loc.tolist()
+    poisoned = 0
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        context_len = seq_len - (starts[i + 1] - starts[i])
+        for pos in range(max(0, context_len - window + 1)):
+            block = int(batch.block_tables[i, pos // block_size])
+            batch.key_cache[block, pos % block_size] = float("nan")
+            batch.value_cache[block, pos % block_size] = float("nan")
+            poisoned += 1
+    return poisoned
+
+
+def random_sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """float32 sinks of the scores' size, one far above them (it takes nearly all the mass) and
+    one far below (it takes none)."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+    sinks[0], sinks[-1] = 25.0, -30.0
+    return sinks
+
+
+def windowed_batch(seed: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                   case: tuple[int | str | None, bool]) -> tuple[PagedBatch, int | None, torch.Tensor | None, str]:
+    """(batch, window, sinks, description): decodes (one with no context, one past several
+    blocks and the prefetch distance), a fresh prompt and a chunk over cached context (query
+    rows starting mid-sequence), both over several query tiles and key blocks; NaN before each
+    window."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    rng = random.Random(seed)
+    specs = [(0, 1), (rng.randrange(40, 200), 1), (rng.randrange(1, 90), 1), (0, rng.randrange(2, 80)),
+             (rng.randrange(1, 120), rng.randrange(2, 70))]
+    rng.shuffle(specs)
+    window, with_sinks = case
+    lens = [c + n for c, n in specs]
+    if window == "equal":
+        window = rng.choice(lens)
+    elif window == "longer":
+        window = max(lens) + rng.randrange(1, 20)
+    batch = make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, dtype, CPU)
+    if window is not None:
+        poison_before_windows(batch, window)
+    sinks = random_sinks(num_heads, seed) if with_sinks else None
+    return batch, window, sinks, f"seed {seed}, specs {specs}, window {window}, sinks {with_sinks}"
+
+
+@c_kernel_only
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=window_case_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", WINDOW_SHAPES, ids=shape_id)
+def test_each_kernel_version_takes_windows_and_sinks(kernel_version, dtype: torch.dtype,
+                                                     shape: tuple[int, int, int, int],
+                                                     case: tuple[int | str | None, bool]) -> None:
+    """Decode and prefill rows of one step through one build's decode and prefill kernels with a
+    window and / or sinks, on 1 and 3 threads: the reference's result, and no NaN from the
+    slots before the windows. A window longer than every sequence gives the very bits of no
+    window."""
+    name, library = kernel_version
+    head_dim = shape[2]
+    name = f"{name} build ({cpu_native.attention_path(dtype, head_dim, library)} functions)"
+    seed = random.randrange(1 << 30)
+    batch, window, sinks, context = windowed_batch(seed, shape, dtype, case)
+    scale = 1.3 * head_dim ** -0.5
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale, window, sinks)
+    plan = plan_for(batch)
+
+    def run(window: int | None) -> torch.Tensor:
+        out = torch.full_like(batch.query, float("nan"))
+        c_window = 0 if window is None else window
+        cpu_native.paged_decode_attention(batch.query, out, plan.decode_rows, plan.decode_seq_lens,
+                                          plan.decode_tables, batch.key_cache, batch.value_cache, scale,
+                                          library=library, window=c_window, sinks=sinks)
+        cpu_native.paged_prefill_attention(batch.query, out, plan.prefill_starts, plan.prefill_query_lens,
+                                           plan.prefill_seq_lens, plan.prefill_tables, batch.key_cache,
+                                           batch.value_cache, scale, library=library, window=c_window, sinks=sinks)
+        return out
+
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        try:
+            actual = run(window)
+        finally:
+            torch.set_num_threads(1)
+        check(actual, expected, dtype, f"{name}, {threads} threads, {context}")
+    if case[0] == "longer":
+        assert torch.equal(actual, run(None)), f"{name}: a window past every sequence changed bits ({context})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_poison_before_windows_would_show(dtype: torch.dtype) -> None:
+    """The check above can fail: attending every key of the same batches (no window) reads the
+    NaN put before the windows."""
+    seed = random.randrange(1 << 30)
+    batch, window, sinks, context = windowed_batch(seed, (8, 2, 64, 16), dtype, (13, False))
+    scale = 64 ** -0.5
+    assert paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                     batch.seq_lens, batch.block_tables, scale).isnan().any(), context
+    out = CpuAttention().attend(batch.query, batch.key_cache, batch.value_cache, step_of(batch), scale)
+    assert out.isnan().any(), f"without a window the C kernels read every key ({context})"
+
+
+def step_of(batch: PagedBatch) -> PackedStep:
+    return PackedStep(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                      torch.full((batch.query.shape[0],), -1, dtype=torch.int64), batch.max_query_len,
+                      batch.max_seq_len)
+
+
+def refuse(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{what} was called")
+    return refused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sdpa_min_tokens", [None, EVERY_PREFILL], ids=["native-prefills", "sdpa-prefills"])
+@pytest.mark.parametrize("case", [(13, False), (None, True), (37, True)], ids=window_case_id)
+def test_the_cpu_backend_attends_windows_and_sinks(dtype: torch.dtype, sdpa_min_tokens: int | None,
+                                                   case: tuple[int | None, bool], decode_path: str,
+                                                   monkeypatch) -> None:
+    """``CpuAttention.attend`` with a window and / or sinks: float32 and bfloat16 steps go to the
+    C kernels whenever they are built (never to the reference), prefills the plan sent to SDPA
+    included (SDPA takes no sinks, and a window mask would still read the slots before the
+    window); float16 and steps without the C library go through the reference."""
+    native = decode_path == "c-kernel" and dtype in (torch.float32, torch.bfloat16)
+    calls = []
+    for function in ("paged_decode_attention", "paged_prefill_attention"):
+        kernel = getattr(cpu_native, function)
+        monkeypatch.setattr(cpu_native, function,
+                            lambda *args, kernel=kernel, **kwargs: calls.append(kwargs) or kernel(*args, **kwargs))
+    if native:
+        monkeypatch.setattr(cpu_attention, "paged_attention_reference", refuse("the reference"))
+        monkeypatch.setattr(cpu_attention, "_prefills_through_sdpa", refuse("SDPA"))
+    seed = random.randrange(1 << 30)
+    batch, window, sinks, context = windowed_batch(seed, (8, 2, 64, 16), dtype, case)
+    scale = 1.3 * 64 ** -0.5
+    backend = CpuAttention()
+    step = step_of(batch)
+    plan = backend.plan(step, batch.key_cache.shape[1], sdpa_min_tokens)
+    assert bool(plan.sdpa_spans) == (sdpa_min_tokens is not None), context
+    actual = backend.attend(batch.query, batch.key_cache, batch.value_cache, step, scale, plan, window, sinks)
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale, window, sinks)
+    check(actual, expected, dtype, f"{decode_path}, {context}")
+    assert len(calls) == (2 if native else 0), f"{len(calls)} C kernel calls ({decode_path}, {dtype})"
+    for kwargs in calls:
+        assert kwargs["window"] == (window or 0) and (kwargs["sinks"] is None) == (sinks is None)

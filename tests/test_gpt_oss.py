@@ -2,8 +2,8 @@
 ``GptOssForCausalLM`` saved with ``save_pretrained`` (the SmolLM2 tokenizer reused): attention
 sinks, q/k/v/o biases, windowed and full layers alternating, YaRN RoPE, the MoE with its
 router bias, top-k-then-softmax routing and clamped SwiGLU experts stored stacked and
-interleaved; by default (the CPU path: sinks through the reference), chunked, preempted, over
-prefix hits and through the Triton kernels. ``load_format=dummy`` loads; MXFP4 checkpoints are
+interleaved; by default (the CPU path: sinks and windows in the C attention kernels), chunked,
+preempted, over prefix hits and through the Triton kernels. ``load_format=dummy`` loads; MXFP4 checkpoints are
 refused by name."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Sliding-window attention: the query at position p sees keys p - W + 1 .. p.
 
-- Kernels: the Triton kernels (the interpreter on CPU) and the CPU backend against the
-  reference, whose window is checked against full attention masked by hand; block-table
-  entries before every window point at a NaN-filled block and must not be read.
+- Kernels: the Triton kernels (the interpreter on CPU) and the CPU backend (its C kernels, never
+  the reference) against the reference, whose window is checked against full attention masked
+  by hand; block-table entries before every window point at a NaN-filled block and must not be
+  read.
 - Models: tiny Mistral (a window on every layer) and Qwen2 (windows on the layers its
   ``layer_types`` name) equal transformers float32 token for token with prompts and outputs
   longer than the window, chunked, preempted, over prefix hits and through the Triton kernels.
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
+from kernels import cpu_attention, cpu_native
 from kernels.attention_backend import PackedStep, attention_backend_for
 from kernels.reference import paged_attention_reference
 from tests.conftest import FIXED_BUDGET, hf_greedy
@@ -80,7 +82,11 @@ BATCHES = {
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
-def test_windowed_attention_matches_masked_full_attention(batch: str, backend: str) -> None:
+def test_windowed_attention_matches_masked_full_attention(batch: str, backend: str, monkeypatch) -> None:
+    if backend == "cpu":
+        assert cpu_native.load() is not None, "the C kernels must build here (gcc is part of the machine)"
+        monkeypatch.setattr(cpu_attention, "paged_attention_reference",
+                            lambda *args: pytest.fail("the cpu backend sent a windowed step to the reference"))
     query_lens, seq_lens = BATCHES[batch]
     query, key_cache, value_cache, starts, lens, tables = packed_batch(query_lens, seq_lens, 8, 8, 2, 32, WINDOW)
     expected = full_attention_masked(query, key_cache, value_cache, starts, lens, tables, 0.2, WINDOW)

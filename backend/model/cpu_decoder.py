@@ -64,7 +64,7 @@ def unsupported_reason(model: CausalLM) -> str | None:
     if any(window is not None for window in model.arch.layer_windows):
         return "sliding-window layers (the C layer loop attends every key)"
     if any(getattr(layer.self_attn, "sinks", None) is not None for layer in model.model.layers):
-        return "attention sinks (gpt-oss; the C attention kernels take none)"
+        return "attention sinks (gpt-oss; the C layer loop passes none to the attention kernels)"
     return None
 
 

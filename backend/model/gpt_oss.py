@@ -5,8 +5,8 @@ What differs from Llama (backend/model/llama.py):
 
 - attention: biases on q/k/v (fused as Llama's) and on o_proj; one learned sink logit per query
   head (``self_attn.sinks``) in every row's softmax denominator, passed to the attention
-  backend (``AttentionBackend.attend``'s ``sinks``: exact in the reference and the Triton
-  kernel; the CPU backend sends steps with sinks through the reference);
+  backend (``AttentionBackend.attend``'s ``sinks``: in the reference, the Triton kernel and
+  the CPU C kernels);
 - windowed and full layers alternating as config.json's ``layer_types`` says (without it, as
   transformers: even layers windowed), the KV cache shared as for any mix of windows;
 - YaRN RoPE (``rope_type`` yarn: ``yarn_inverse_frequencies``, cos and sin scaled by its

@@ -45,21 +45,23 @@ void silu_and_mul_bf16(bf16_t *x, int64_t rows, int64_t inter, int64_t ld, int n
 int paged_decode_attention_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
                                const int32_t *block_tables, int64_t block_table_stride, const float *key_cache,
                                const float *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale, int num_threads);
+                               int64_t head_dim, int64_t block_size, float scale, int64_t window, const float *sinks,
+                               int num_threads);
 int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *rows, const int64_t *seq_lens,
                                 const int32_t *block_tables, int64_t block_table_stride, const bf16_t *key_cache,
                                 const bf16_t *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int num_threads);
+                                int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                                const float *sinks, int num_threads);
 int paged_prefill_attention_f32(const float *query, float *out, const int64_t *q_starts, const int64_t *q_lens,
                                 const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                                 const float *key_cache, const float *value_cache, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                int num_threads);
+                                int64_t window, const float *sinks, int num_threads);
 int paged_prefill_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *q_starts, const int64_t *q_lens,
                                  const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                                  const bf16_t *key_cache, const bf16_t *value_cache, int64_t num_seqs,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int num_threads);
+                                 float scale, int64_t window, const float *sinks, int num_threads);
 
 /* One layer's weights and cache, as the engine packed them (backend/model/cpu_decoder.py mirrors
  * these structs field for field). */
@@ -130,6 +132,8 @@ static void add_rms_norm(int is_bf16, void *h, const void *delta, const void *we
     else add_rms_norm_f32(h, delta, weight, x, rows, hidden, eps);
 }
 
+/* No window (0) and no sinks (NULL): the layer loop declines the families that have them
+ * (backend/model/cpu_decoder.py). */
 static int attend(int is_bf16, const decoder_shape_t *s, const decoder_step_t *step, const decoder_layer_t *layer,
                   const void *q, void *out, int num_threads, external_projection_t external, int64_t layer_index) {
     int status = 0;
@@ -138,22 +142,22 @@ static int attend(int is_bf16, const decoder_shape_t *s, const decoder_step_t *s
             ? paged_decode_attention_bf16(q, out, step->decode_rows, step->decode_seq_lens, step->decode_tables,
                                           step->decode_table_stride, layer->key_cache, layer->value_cache,
                                           step->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim,
-                                          s->block_size, s->scale, num_threads)
+                                          s->block_size, s->scale, 0, NULL, num_threads)
             : paged_decode_attention_f32(q, out, step->decode_rows, step->decode_seq_lens, step->decode_tables,
                                          step->decode_table_stride, layer->key_cache, layer->value_cache,
                                          step->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim,
-                                         s->block_size, s->scale, num_threads);
+                                         s->block_size, s->scale, 0, NULL, num_threads);
     }
     if (status == 0 && step->num_prefills > 0) {
         status = is_bf16
             ? paged_prefill_attention_bf16(q, out, step->prefill_starts, step->prefill_query_lens,
                                            step->prefill_seq_lens, step->prefill_tables, step->prefill_table_stride,
                                            layer->key_cache, layer->value_cache, step->num_prefills, s->num_heads,
-                                           s->num_kv_heads, s->head_dim, s->block_size, s->scale, num_threads)
+                                           s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0, NULL, num_threads)
             : paged_prefill_attention_f32(q, out, step->prefill_starts, step->prefill_query_lens,
                                           step->prefill_seq_lens, step->prefill_tables, step->prefill_table_stride,
                                           layer->key_cache, layer->value_cache, step->num_prefills, s->num_heads,
-                                          s->num_kv_heads, s->head_dim, s->block_size, s->scale, num_threads);
+                                          s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0, NULL, num_threads);
     }
     if (status == 0 && step->external_prefill_attention) {
         if (external == NULL) return DECODER_NO_EXTERNAL;

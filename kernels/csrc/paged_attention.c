@@ -38,6 +38,16 @@
  * from DRAM, faster in bfloat16 and no change in float32, which is held by the memory side:
  * docs/benchmarks.md).
  * attention_path() says which function a build runs.
+ *
+ * Sliding windows and attention sinks (decode and prefill, every path): a query at position p
+ * with a window of W keys (W > 0; 0 = no window) sees keys p - W + 1 .. p. Key loops start at
+ * the first key in the window, never before it: the engine releases the KV blocks wholly
+ * before a sequence's window, and their block-table entries then point at a block that may
+ * hold anything (NaN included), so even a masked read could leak into the sums. A sink (one
+ * float32 logit per query head, or sinks NULL) joins each row's softmax beside its scaled
+ * scores (it is not scaled) and has no value vector: it adds exp(sink - max) to the
+ * denominator only. With window 0 and sinks NULL every path does exactly the arithmetic it
+ * did before it took them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -132,8 +142,9 @@ static inline __attribute__((always_inline)) float dot_bf16(const float *restric
 
 /* exp_ps512 / exp_ps256: vec_exp.h. */
 
-/* s <- softmax(s), in place, float32. */
-static inline __attribute__((always_inline)) void softmax(float *restrict s, int64_t n) {
+/* s <- softmax(s), in place, float32. ``sink``: NULL, or a logit that joins the maximum and the
+ * denominator but has no entry in s (an attention sink: probability mass with no value). */
+static inline __attribute__((always_inline)) void softmax(float *restrict s, int64_t n, const float *sink) {
     float max = -INFINITY, total = 0.0f;
     int64_t t = 0;
 #if defined(__AVX512F__)
@@ -152,6 +163,7 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
     for (int i = 0; i < 8; ++i) max = lane_max[i] > max ? lane_max[i] : max;
 #endif
     for (; t < n; ++t) max = s[t] > max ? s[t] : max;
+    if (sink != NULL && *sink > max) max = *sink;
     t = 0;
 #if defined(__AVX512F__)
     __m512 sum = _mm512_setzero_ps();
@@ -176,6 +188,7 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
         s[t] = expf(s[t] - max);
         total += s[t];
     }
+    if (sink != NULL) total += expf(*sink - max);
     const float inv = 1.0f / total;
     for (t = 0; t < n; ++t) s[t] *= inv;
 }
@@ -185,14 +198,14 @@ static inline int64_t token_offset(const int32_t *table, int64_t t, int64_t bloc
     return ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
 }
 
-/* offsets[t] = token_offset(table, t, ...) for every token of a sequence, without a division
- * per token: the decode functions below look a row up several times (once per pass over the
- * heads, once more to prefetch it), and a 64-bit division by the runtime block size costs
- * more than the row's arithmetic at short contexts. */
-static inline void row_offsets(const int32_t *restrict table, int64_t seq_len, int64_t block_size,
+/* offsets[t - first] = token_offset(table, t, ...) for tokens first .. end - 1 of a sequence (the
+ * keys a decode query sees), without a division per token: the decode functions below look a
+ * row up several times (once per pass over the heads, once more to prefetch it), and a 64-bit
+ * division by the runtime block size costs more than the row's arithmetic at short contexts. */
+static inline void row_offsets(const int32_t *restrict table, int64_t first, int64_t end, int64_t block_size,
                                int64_t token_stride, int64_t *restrict offsets) {
-    for (int64_t t = 0, block = 0, slot = 0; t < seq_len; ++t) {
-        offsets[t] = ((int64_t)table[block] * block_size + slot) * token_stride;
+    for (int64_t t = first, block = first / block_size, slot = first % block_size; t < end; ++t) {
+        offsets[t - first] = ((int64_t)table[block] * block_size + slot) * token_stride;
         if (++slot == block_size) slot = 0, ++block;
     }
 }
@@ -206,19 +219,19 @@ static inline void prefetch_token(const void *cache, int64_t element_size, const
 
 #if defined(__AVX512F__)
 #define MAX_HEAD_VECTORS 8   /* head_dim up to 128 in registers */
-/* out[0:head_dim] = sum over t of p[t] * V[t] (one head; V at ``head_offset`` in each token's
- * row): the head's output stays in registers for the whole pass, where the generic loop
- * below reloads and stores it for every token. */
+/* out[0:head_dim] = sum over t in [first, seq_len) of p[t - first] * V[t] (one head; V at
+ * ``head_offset`` in each token's row): the head's output stays in registers for the whole pass,
+ * where the generic loop below reloads and stores it for every token. */
 static inline __attribute__((always_inline)) void weighted_values_avx512(
-        const float *restrict p, float *restrict out, const int32_t *restrict table, int64_t seq_len,
+        const float *restrict p, float *restrict out, const int32_t *restrict table, int64_t first, int64_t seq_len,
         const void *value_cache, int is_bf16, int64_t head_offset, int64_t head_dim, int64_t block_size,
         int64_t token_stride) {
     __m512 acc[MAX_HEAD_VECTORS];
     const int64_t vectors = head_dim / 16;
     for (int64_t j = 0; j < MAX_HEAD_VECTORS; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t t = first; t < seq_len; ++t) {
         const int64_t row = token_offset(table, t, block_size, token_stride) + head_offset;
-        const __m512 weight = _mm512_set1_ps(p[t]);
+        const __m512 weight = _mm512_set1_ps(p[t - first]);
         for (int64_t j = 0; j < vectors; ++j) {
             __m512 v;
             if (is_bf16) {
@@ -235,39 +248,42 @@ static inline __attribute__((always_inline)) void weighted_values_avx512(
 #endif
 
 /* One sequence, all its heads: tokens are visited in cache order, so each token's K (then
- * V) row of num_kv_heads * head_dim elements is read contiguously, a block at a time.
+ * V) row of num_kv_heads * head_dim elements is read contiguously, a block at a time. Keys
+ * ``first`` .. seq_len - 1 (the window; 0 without one); ``sinks``: NULL or one per query head.
  * q and out: [num_heads * head_dim] float32 (widened / still to be rounded for bfloat16).
  * ``is_bf16`` is a constant at each call site below, so the compiler keeps one branch-free
  * copy per dtype; the float32 one does exactly the arithmetic it did before bfloat16. */
 static inline __attribute__((always_inline)) void attend_sequence(
-        const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t seq_len,
+        const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t first, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
-        int64_t head_dim, int64_t block_size, float scale, float *restrict scores /* [num_heads * seq_len] */,
+        int64_t head_dim, int64_t block_size, float scale, const float *sinks,
+        float *restrict scores /* [num_heads * (seq_len - first)] */,
         float *restrict v_row /* [num_kv_heads * head_dim], bfloat16 only */) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t element_size = is_bf16 ? sizeof(bf16_t) : sizeof(float);
-    for (int64_t t = 0; t < seq_len; ++t) {
+    const int64_t n = seq_len - first;                 /* keys seen; score t - first is key t's */
+    for (int64_t t = first; t < seq_len; ++t) {
         prefetch_token(key_cache, element_size, table, t + PREFETCH_TOKENS, seq_len, block_size, token_stride);
         const int64_t row = token_offset(table, t, block_size, token_stride);
         for (int64_t h = 0; h < num_heads; ++h) {
             const int64_t k = row + (h / group) * head_dim;
             const float qk = is_bf16 ? dot_bf16(q + h * head_dim, (const bf16_t *)key_cache + k, head_dim)
                                      : dot(q + h * head_dim, (const float *)key_cache + k, head_dim);
-            scores[h * seq_len + t] = qk * scale;
+            scores[h * n + t - first] = qk * scale;
         }
     }
-    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * n, n, sinks == NULL ? NULL : sinks + h);
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && head_dim <= 16 * MAX_HEAD_VECTORS) {
         for (int64_t h = 0; h < num_heads; ++h)
-            weighted_values_avx512(scores + h * seq_len, out + h * head_dim, table, seq_len, value_cache, is_bf16,
+            weighted_values_avx512(scores + h * n, out + h * head_dim, table, first, seq_len, value_cache, is_bf16,
                                    (h / group) * head_dim, head_dim, block_size, token_stride);
         return;
     }
 #endif
     for (int64_t h = 0; h < num_heads; ++h) memset(out + h * head_dim, 0, sizeof(float) * head_dim);
-    for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t t = first; t < seq_len; ++t) {
         prefetch_token(value_cache, element_size, table, t + PREFETCH_TOKENS, seq_len, block_size, token_stride);
         const int64_t row = token_offset(table, t, block_size, token_stride);
         const float *v = (const float *)value_cache + row;
@@ -277,7 +293,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
             v = v_row;
         }
         for (int64_t h = 0; h < num_heads; ++h) {
-            const float p = scores[h * seq_len + t];
+            const float p = scores[h * n + t - first];
             const float *vh = v + (h / group) * head_dim;
             float *o = out + h * head_dim;
 #pragma omp simd
@@ -430,17 +446,19 @@ static inline __attribute__((always_inline)) void decode_values_avx2(
 }
 
 /* attend_sequence for AVX2 + FMA builds: same inputs and outputs; scratch: the scores, ``partial``
- * [num_heads * DECODE_TOKENS * 8] and ``offsets`` [seq_len]. */
+ * [num_heads * DECODE_TOKENS * 8] and ``offsets`` [seq_len - first]. The functions it calls see
+ * only the window's keys, through ``offsets``: their ``seq_len`` is the window's key count. */
 static inline __attribute__((always_inline)) void attend_sequence_avx2(
-        const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t seq_len,
+        const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t first, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
-        int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict partial,
-        int64_t *restrict offsets) {
+        int64_t head_dim, int64_t block_size, float scale, const float *sinks, float *restrict scores,
+        float *restrict partial, int64_t *restrict offsets) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-    row_offsets(table, seq_len, block_size, token_stride, offsets);
+    row_offsets(table, first, seq_len, block_size, token_stride, offsets);
+    seq_len -= first;
     decode_scores_avx2(q, offsets, seq_len, key_cache, is_bf16, num_heads, num_kv_heads, head_dim, scale, scores,
                        partial);
-    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len, sinks == NULL ? NULL : sinks + h);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += DECODE_HEADS) {
             const int64_t nh = (g + 1) * group - h0 < DECODE_HEADS ? (g + 1) * group - h0 : DECODE_HEADS;
@@ -613,17 +631,19 @@ static int64_t dp_scratch_bytes(int64_t seq_len, int64_t token_stride) {
     return sizeof(int64_t) * seq_len + sizeof(bf16_t) * SCORE_CHUNK * token_stride;
 }
 
-/* One sequence, all heads, through the dot-product path. q: bfloat16 [num_heads * head_dim];
- * out: float32, rounded by the caller; scores: [num_heads * seq_len]; scratch: dp_scratch_bytes,
- * 8-byte aligned. */
+/* One sequence, all heads, through the dot-product path: keys ``first`` .. seq_len - 1 (as
+ * attend_sequence_avx2, the functions below see only those, through ``offsets``). q: bfloat16
+ * [num_heads * head_dim]; out: float32, rounded by the caller; scores: [num_heads * (seq_len -
+ * first)]; scratch: dp_scratch_bytes(seq_len - first, ...), 8-byte aligned. */
 static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, const int32_t *restrict table,
-                               int64_t seq_len, const bf16_t *key_cache, const bf16_t *value_cache, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                               float *restrict scores, void *restrict scratch) {
+                               int64_t first, int64_t seq_len, const bf16_t *key_cache, const bf16_t *value_cache,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                               float scale, const float *sinks, float *restrict scores, void *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     int64_t *offsets = scratch;
+    row_offsets(table, first, seq_len, block_size, token_stride, offsets);
+    seq_len -= first;
     bf16_t *chunk = (bf16_t *)(offsets + seq_len);
-    row_offsets(table, seq_len, block_size, token_stride, offsets);
     const int vec = (int)(head_dim / 32);
     if (vec == 1) scores_dp(1, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
               chunk);
@@ -631,7 +651,7 @@ static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, co
                    chunk);
     else scores_dp(4, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
                    chunk);
-    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len);
+    for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len, sinks == NULL ? NULL : sinks + h);
     const int64_t per_pass = vec == 4 ? 2 : 3;
     for (int64_t h = 0; h < num_heads;) {
         const int64_t in_group = group - h % group, heads = in_group < per_pass ? in_group : per_pass;
@@ -666,19 +686,27 @@ int attention_path(int is_bf16, int64_t head_dim) {
     return ATTENTION_GENERIC;
 }
 
-/* Returns 0, or -1 when a scratch allocation failed (the caller raises). */
+/* The first key a decode query (at position seq_len - 1) sees under ``window`` (0: none). */
+static inline int64_t decode_first_key(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+/* ``window``: keys each query sees (0 or less: all); ``sinks``: NULL or [num_heads] float32
+ * (the file's first comment). Returns 0, or -1 when a scratch allocation failed (the caller
+ * raises). */
 int paged_decode_attention_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
                                const int32_t *block_tables, int64_t block_table_stride, const float *key_cache,
                                const float *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+                               int64_t head_dim, int64_t block_size, float scale, int64_t window, const float *sinks,
+                               int num_threads) {
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t seq_len = seq_lens[s];
+        const int64_t seq_len = seq_lens[s], first = decode_first_key(seq_len, window), n = seq_len - first;
         /* The scores, the AVX2 path's lanes of 8 tokens per head (decode_scores_avx2), then (at a
          * multiple of 8 bytes) its row offsets. */
-        const int64_t floats = (num_heads * seq_len + num_heads * 64 + 1) / 2 * 2;
-        float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * seq_len);
+        const int64_t floats = (num_heads * n + num_heads * 64 + 1) / 2 * 2;
+        float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * n);
         if (scores == NULL) {
             failed = 1;
             continue;
@@ -686,15 +714,16 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
         const int64_t offset = rows[s] * num_heads * head_dim;
 #if AVX2_ATTENTION
         if (attention_path(0, head_dim) == ATTENTION_AVX2) {
-            attend_sequence_avx2(query + offset, out + offset, block_tables + s * block_table_stride, seq_len,
+            attend_sequence_avx2(query + offset, out + offset, block_tables + s * block_table_stride, first, seq_len,
                                  key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 scores, scores + num_heads * seq_len, (int64_t *)(scores + floats));
+                                 sinks, scores, scores + num_heads * n, (int64_t *)(scores + floats));
             free(scores);
             continue;
         }
 #endif
-        attend_sequence(query + offset, out + offset, block_tables + s * block_table_stride, seq_len, key_cache,
-                        value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale, scores, NULL);
+        attend_sequence(query + offset, out + offset, block_tables + s * block_table_stride, first, seq_len,
+                        key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale, sinks,
+                        scores, NULL);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -704,29 +733,30 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
 int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *rows, const int64_t *seq_lens,
                                 const int32_t *block_tables, int64_t block_table_stride, const bf16_t *key_cache,
                                 const bf16_t *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+                                int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                                const float *sinks, int num_threads) {
     int failed = 0;
     const int64_t width = num_heads * head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t seq_len = seq_lens[s];
+        const int64_t seq_len = seq_lens[s], first = decode_first_key(seq_len, window), n = seq_len - first;
         /* One allocation: scores, the float32 query, output and V row, the AVX2 path's lanes of 8
          * tokens per head, then the dot-product path's scratch or the AVX2 path's (at a multiple
          * of 8 bytes: both start with int64 row offsets). */
-        const int64_t floats = (num_heads * seq_len + 2 * width + num_kv_heads * head_dim + num_heads * 64 + 1) / 2 * 2;
-        const int64_t dp_bytes = dp_scratch_bytes(seq_len, num_kv_heads * head_dim);
-        const int64_t offsets_bytes = (int64_t)sizeof(int64_t) * seq_len;
+        const int64_t floats = (num_heads * n + 2 * width + num_kv_heads * head_dim + num_heads * 64 + 1) / 2 * 2;
+        const int64_t dp_bytes = dp_scratch_bytes(n, num_kv_heads * head_dim);
+        const int64_t offsets_bytes = (int64_t)sizeof(int64_t) * n;
         float *scores = malloc(sizeof(float) * floats + (dp_bytes > offsets_bytes ? dp_bytes : offsets_bytes));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        float *q = scores + num_heads * seq_len, *o = q + width, *v_row = o + width;
+        float *q = scores + num_heads * n, *o = q + width, *v_row = o + width;
         const int64_t offset = rows[s] * width;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if (attention_path(1, head_dim) == ATTENTION_AVX512_BF16) {
-            attend_sequence_dp(query + offset, o, block_tables + s * block_table_stride, seq_len, key_cache,
-                               value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, scores,
+            attend_sequence_dp(query + offset, o, block_tables + s * block_table_stride, first, seq_len, key_cache,
+                               value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, sinks, scores,
                                scores + floats);
         } else
 #endif
@@ -734,13 +764,13 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
             widen(query + offset, q, width);
 #if AVX2_ATTENTION
             if (attention_path(1, head_dim) == ATTENTION_AVX2)
-                attend_sequence_avx2(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
-                                     num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                     v_row + num_kv_heads * head_dim, (int64_t *)(scores + floats));
+                attend_sequence_avx2(q, o, block_tables + s * block_table_stride, first, seq_len, key_cache,
+                                     value_cache, 1, num_heads, num_kv_heads, head_dim, block_size, scale, sinks,
+                                     scores, v_row + num_kv_heads * head_dim, (int64_t *)(scores + floats));
             else
 #endif
-            attend_sequence(q, o, block_tables + s * block_table_stride, seq_len, key_cache, value_cache, 1,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, scores, v_row);
+            attend_sequence(q, o, block_tables + s * block_table_stride, first, seq_len, key_cache, value_cache, 1,
+                            num_heads, num_kv_heads, head_dim, block_size, scale, sinks, scores, v_row);
         }
         for (int64_t i = 0; i < width; ++i) out[offset + i] = f32_to_bf16(o[i]);
         free(scores);
@@ -785,6 +815,22 @@ static inline void exp_block(const float *restrict s, float max, float *restrict
 #endif
 }
 
+/* 1 / a prefill row's softmax denominator, from its online-softmax state (``sum``: the sum of
+ * exp(score - ``max``) over its keys), with the row's sink (NULL: none) joining it: the output
+ * is sum-of-weighted-V (relative to ``max``) times this. */
+static inline float row_normaliser(float sum, float max, const float *sink) {
+    if (sink == NULL) return 1.0f / sum;
+    const float top = *sink > max ? *sink : max;
+    const float keep = expf(max - top);      /* the keys' sum and output, rescaled from max to top */
+    return keep / (sum * keep + expf(*sink - top));
+}
+
+/* The first key any query of a task sees: its first query is at ``position``. Key blocks start
+ * there, so nothing before the window is read (the file's first comment). */
+static inline int64_t prefill_first_key(int64_t position, int64_t window) {
+    return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
 /* Scratch floats one task needs. */
 static int64_t prefill_scratch_floats(int64_t rows, int64_t head_dim) {
     return rows * (2 * head_dim + 2 + PREFILL_KEY_BLOCK) + 2 * head_dim * PREFILL_KEY_BLOCK + PREFILL_KEY_BLOCK;
@@ -792,11 +838,12 @@ static int64_t prefill_scratch_floats(int64_t rows, int64_t head_dim) {
 
 /* Queries [i0, i1) of one sequence (packed row ``row0`` is its query 0, at absolute position
  * ``context_len``), the heads of KV head ``g``. ``rows`` = group * (i1 - i0) rounded up to
- * PREFILL_ROWS_AT_ONCE; row r is query i0 + r / group, head g * group + r % group. */
+ * PREFILL_ROWS_AT_ONCE; row r is query i0 + r / group, head g * group + r % group. ``window``
+ * (0: none) and ``sinks`` (NULL: none) as the file's first comment says. */
 static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
                          int64_t context_len, const int32_t *table, const void *key_cache, const void *value_cache,
                          int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         float scale, int64_t rows, float *restrict scratch) {
+                         float scale, int64_t window, const float *sinks, int64_t rows, float *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0);
     float *restrict q = scratch;                       /* [rows][head_dim], scaled */
@@ -816,7 +863,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
         row_sum[r] = 0.0f;
     }
     const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
-    for (int64_t j0 = 0; j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
+    for (int64_t j0 = prefill_first_key(context_len + i0, window); j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
         const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
         for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
             if (t < keys) {
@@ -843,12 +890,17 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
             memcpy(s + r0 * PREFILL_KEY_BLOCK, acc, sizeof acc);
         }
         for (int64_t r = 0; r < real_rows; ++r) {
-            const int64_t visible = context_len + i0 + r / group - j0 + 1;   /* keys j0.. this row may see */
+            const int64_t position = context_len + i0 + r / group;
+            const int64_t visible = position - j0 + 1;   /* keys j0.. this row may see */
+            /* the block's first ``hidden`` keys are before this row's window (later rows of the
+             * tile start their windows later than the tile's first key) */
+            const int64_t hidden = window > 0 ? position - window + 1 - j0 : 0;
             if (visible <= 0) continue;      /* the whole block is in this row's future */
+            if (hidden >= keys) continue;    /* ... or before this row's window */
             float *sr = s + r * PREFILL_KEY_BLOCK;
             float block_max = -INFINITY;
             for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
-                if (t >= visible || t >= keys) sr[t] = -INFINITY;
+                if (t >= visible || t >= keys || t < hidden) sr[t] = -INFINITY;
                 block_max = sr[t] > block_max ? sr[t] : block_max;
             }
             const float new_max = block_max > row_max[r] ? block_max : row_max[r];
@@ -870,7 +922,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
     for (int64_t r = 0; r < real_rows; ++r) {
         const int64_t i = i0 + r / group, h = g * group + r % group;
         const int64_t at = ((row0 + i) * num_heads + h) * head_dim;
-        const float inv = 1.0f / row_sum[r];
+        const float inv = row_normaliser(row_sum[r], row_max[r], sinks == NULL ? NULL : sinks + h);
         for (int64_t d = 0; d < head_dim; ++d) {
             const float value = o[r * head_dim + d] * inv;
             if (is_bf16) ((bf16_t *)out)[at + d] = f32_to_bf16(value);
@@ -981,7 +1033,8 @@ static inline __attribute__((always_inline)) void scores_of_groups(
 static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
                                int64_t context_len, const int32_t *table, const void *key_cache,
                                const void *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale, float *restrict scratch) {
+                               int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                               const float *sinks, float *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0), groups = (real_rows + LANES - 1) / LANES;
     float *restrict qt = scratch;                                   /* [groups][head_dim][LANES], scaled */
@@ -1005,7 +1058,7 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
     }
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
     const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
-    for (int64_t j0 = 0; j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
+    for (int64_t j0 = prefill_first_key(context_len + i0, window); j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
         const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
         for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
             if (t < keys) {
@@ -1033,7 +1086,9 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
           for (int k = 0; k < ng; ++k) {
             const int64_t gi = g0 + k;
             __m256 *s = scores[k];
-            /* causal mask: row r sees key j0 + t when t < keys and position[r] >= j0 + t */
+            /* causal mask: row r sees key j0 + t when t < keys and position[r] >= j0 + t; under a
+             * window also position[r] < j0 + t + window (prefill() passes a window only when it
+             * is shorter than the sequence, so that sum fits an int) */
             const __m256i pos = _mm256_loadu_si256((const __m256i *)(position + gi * LANES));
             __m256 visible[PREFILL_KEY_BLOCK];
             const __m256 old_max = _mm256_loadu_ps(row_max + gi * LANES);
@@ -1041,12 +1096,16 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
             _Pragma("GCC unroll 16") for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
                 visible[t] = t < keys ? _mm256_castsi256_ps(_mm256_cmpgt_epi32(pos, _mm256_set1_epi32((int)(j0 + t - 1))))
                                       : _mm256_setzero_ps();
+                if (window > 0)
+                    visible[t] = _mm256_and_ps(visible[t], _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                                   _mm256_set1_epi32((int)(j0 + t + window)), pos)));
                 s[t] = _mm256_blendv_ps(minus_inf, s[t], visible[t]);
                 top = _mm256_max_ps(top, s[t]);
             }
             /* exp_ps256 clamps its argument from below, and -inf - -inf (a row that has seen no key
-             * yet) is NaN, which the clamp's max_ps also replaces: the correction is then ~0
-             * times a zero output and sum. Masked probabilities are zeroed outright. */
+             * yet: the block is in its future or before its window) is NaN, which the clamp's
+             * max_ps also replaces: the correction is then ~0 times a zero output and sum. Masked
+             * probabilities are zeroed outright. */
             const __m256 scale_old = exp_ps256(_mm256_sub_ps(old_max, top));
             __m256 block_sum = _mm256_setzero_ps();
             _Pragma("GCC unroll 16") for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
@@ -1070,7 +1129,7 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
     for (int64_t r = 0; r < real_rows; ++r) {
         const int64_t i = i0 + r / group, h = g * group + r % group;
         const int64_t at = ((row0 + i) * num_heads + h) * head_dim;
-        const float inv = 1.0f / row_sum[r];
+        const float inv = row_normaliser(row_sum[r], row_max[r], sinks == NULL ? NULL : sinks + h);
         for (int64_t d = 0; d < head_dim; ++d) {
             const float value = o[r * head_dim + d] * inv;
             if (is_bf16) ((bf16_t *)out)[at + d] = f32_to_bf16(value);
@@ -1107,7 +1166,8 @@ static int64_t prefill_dp_scratch_bytes(int64_t rows, int64_t head_dim) {
 static inline __attribute__((always_inline)) void prefill_task_dp(
         const int VEC, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1, int64_t context_len,
         const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g, int64_t num_heads,
-        int64_t num_kv_heads, int64_t block_size, float scale, int64_t rows, void *scratch) {
+        int64_t num_kv_heads, int64_t block_size, float scale, int64_t window, const float *sinks, int64_t rows,
+        void *scratch) {
     const int64_t head_dim = 32 * VEC, group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0);
     bf16_t *restrict q = scratch;                                /* [rows][head_dim] */
@@ -1128,7 +1188,7 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
         row_sum[r] = 0.0f;
     }
     const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
-    for (int64_t j0 = 0; j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
+    for (int64_t j0 = prefill_first_key(context_len + i0, window); j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
         const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
         for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
             if (t < keys) {
@@ -1146,17 +1206,22 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
             }
         }
         for (int64_t r0 = 0; r0 < rows && r0 < real_rows; r0 += PREFILL_ROW_BLOCK) {
-            /* keys of this block each row may see: its query's position, the block's keys */
-            int visible[PREFILL_ROW_BLOCK];
+            /* keys of this block each row may see: [hidden, visible), from its query's position,
+             * its window and the block's keys */
+            int visible[PREFILL_ROW_BLOCK], hidden[PREFILL_ROW_BLOCK];
             __mmask16 masks[PREFILL_ROW_BLOCK];
             int any = 0;
             for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
                 const int64_t r = r0 + rr;
                 int64_t v = r < real_rows ? context_len + i0 + r / group - j0 + 1 : 0;
                 v = v < 0 ? 0 : v > keys ? keys : v;
+                int64_t before = r < real_rows && window > 0 ? context_len + i0 + r / group - window + 1 - j0 : 0;
+                before = before < 0 ? 0 : before > v ? v : before;
                 visible[rr] = (int)v;
-                masks[rr] = v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << v) - 1);
-                any |= v > 0;
+                hidden[rr] = (int)before;
+                masks[rr] = (v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << v) - 1)) &
+                            (__mmask16)~((1u << before) - 1);
+                any |= v > before;
             }
             if (!any) continue;     /* the whole block is in these rows' future */
             __m512 s[PREFILL_ROW_BLOCK];
@@ -1186,12 +1251,12 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
             }
             _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), scale_old, reduce_lanes_16(s, 0)));
             for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
-                if (!visible[rr]) continue;
+                if (visible[rr] <= hidden[rr]) continue;
                 float *orow = o + (r0 + rr) * head_dim;
                 const __m512 c = _mm512_set1_ps(correction[rr]);
                 __m512 acc[2 * DP_MAX_VECTORS];
                 for (int j = 0; j < 2 * VEC; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * j), c);
-                for (int t = 0; t < visible[rr]; ++t) {
+                for (int t = hidden[rr]; t < visible[rr]; ++t) {
                     const __m512 w = _mm512_set1_ps(p[rr * PREFILL_KEY_BLOCK + t]);
                     for (int j = 0; j < 2 * VEC; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vs + t * head_dim + 16 * j), acc[j]);
                 }
@@ -1202,7 +1267,7 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
     for (int64_t r = 0; r < real_rows; ++r) {
         const int64_t i = i0 + r / group, h = g * group + r % group;
         bf16_t *dst = out + ((row0 + i) * num_heads + h) * head_dim;
-        const float inv = 1.0f / row_sum[r];
+        const float inv = row_normaliser(row_sum[r], row_max[r], sinks == NULL ? NULL : sinks + h);
         for (int j = 0; j < VEC; ++j)
             for (int e = 0; e < 16; ++e) {
                 dst[32 * j + 2 * e] = f32_to_bf16(o[r * head_dim + 32 * j + e] * inv);
@@ -1214,9 +1279,10 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
 static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
                                 int64_t context_len, const int32_t *table, const bf16_t *key_cache,
                                 const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int64_t rows, void *scratch) {
+                                int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                                const float *sinks, int64_t rows, void *scratch) {
 #define TASK(V) prefill_task_dp(V, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, num_heads, \
-                                num_kv_heads, block_size, scale, rows, scratch)
+                                num_kv_heads, block_size, scale, window, sinks, rows, scratch)
     if (head_dim == 32) TASK(1);
     else if (head_dim == 64) TASK(2);
     else TASK(4);
@@ -1226,11 +1292,13 @@ static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, 
 
 /* Every prefill sequence of a step: sequence s owns packed rows q_starts[s] ..
  * q_starts[s] + q_lens[s], the last q_lens[s] of its seq_lens[s] tokens. Tasks (sequence,
- * KV head, query tile) go to OpenMP threads. Returns 0, or -1 when scratch allocation failed. */
+ * KV head, query tile) go to OpenMP threads. ``window`` and ``sinks`` as the file's first
+ * comment says. Returns 0, or -1 when scratch allocation failed. */
 static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_starts, const int64_t *q_lens,
                    const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                    const void *key_cache, const void *value_cache, int64_t num_seqs, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                   const float *sinks, int num_threads) {
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
         num_tasks += num_kv_heads * ((q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE);
@@ -1253,6 +1321,8 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         const int64_t i1 = i0 + PREFILL_QUERY_TILE < q_lens[s] ? i0 + PREFILL_QUERY_TILE : q_lens[s];
         const int64_t task_rows = (group * (i1 - i0) + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
                                   PREFILL_ROWS_AT_ONCE;
+        /* A window at least as long as the sequence hides no key: such tasks run unwindowed. */
+        const int64_t task_window = window > 0 && window < seq_lens[s] ? window : 0;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if (attention_path(is_bf16, head_dim) == ATTENTION_AVX512_BF16) {
             const int64_t dp_rows = (group * PREFILL_QUERY_TILE + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK *
@@ -1264,7 +1334,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
             }
             prefill_task_dp_any(query, out, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
                                 block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
-                                num_kv_heads, head_dim, block_size, scale,
+                                num_kv_heads, head_dim, block_size, scale, task_window, sinks,
                                 (group * (i1 - i0) + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK * PREFILL_ROW_BLOCK,
                                 scratch);
             free(scratch);
@@ -1280,7 +1350,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
             }
             prefill_task_lanes(query, out, is_bf16, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
                                block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
-                               num_kv_heads, head_dim, block_size, scale, scratch);
+                               num_kv_heads, head_dim, block_size, scale, task_window, sinks, scratch);
             free(scratch);
             continue;
         }
@@ -1292,7 +1362,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         }
         prefill_task(query, out, is_bf16, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
                      block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads, num_kv_heads,
-                     head_dim, block_size, scale, task_rows, scratch);
+                     head_dim, block_size, scale, task_window, sinks, task_rows, scratch);
         free(scratch);
     }
     return failed ? -1 : 0;
@@ -1302,16 +1372,18 @@ int paged_prefill_attention_f32(const float *query, float *out, const int64_t *q
                                 const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                                 const float *key_cache, const float *value_cache, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                int num_threads) {
+                                int64_t window, const float *sinks, int num_threads) {
     return prefill(query, out, 0, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
-                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks,
+                   num_threads);
 }
 
 int paged_prefill_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *q_starts, const int64_t *q_lens,
                                  const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                                  const bf16_t *key_cache, const bf16_t *value_cache, int64_t num_seqs,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, int num_threads) {
+                                 float scale, int64_t window, const float *sinks, int num_threads) {
     return prefill(query, out, 1, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
-                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks,
+                   num_threads);
 }
