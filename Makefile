@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-cluster model serve cluster test loadtest loadtest-compare soak chaos clean-model
+.PHONY: setup setup-cluster setup-dynamo model serve cluster test loadtest loadtest-compare soak chaos clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -38,6 +38,20 @@ setup-cluster:
 			     "and Prometheus's release binary; macOS: brew install haproxy prometheus)"; exit 1; \
 		fi; \
 	fi
+
+# NVIDIA Dynamo's runtime, whose standalone KV indexer tests/test_kv_events.py feeds our
+# KV-cache events to (docs/scaling.md). A peer, not a dependency: it lives in a virtual
+# environment of its own, never in $(VENV), pinned; the stamp names the version.
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_VERSION := 1.6.1
+DYNAMO_STAMP := $(DYNAMO_VENV)/.setup-done-$(DYNAMO_VERSION)
+setup-dynamo: $(DYNAMO_STAMP)
+
+$(DYNAMO_STAMP):
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install -q ai-dynamo-runtime==$(DYNAMO_VERSION)
+	rm -f $(DYNAMO_VENV)/.setup-done-*
+	touch $@
 
 model: $(MODEL_DIR)/model.safetensors
 
@@ -72,7 +86,7 @@ SERVER_TEST_FILES = $(shell grep -l "pytest.mark.server" tests/test_*.py)
 # process) and the servers and scripts the tests start read this repository's modules
 # compiled (~0.4 s each); the caches are git-ignored.
 test: export PYTHONDONTWRITEBYTECODE =
-test: setup model setup-cluster
+test: setup model setup-cluster setup-dynamo
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not server" tests; unit=$$?; \
 	$(PY) -m pytest -q -m server $(SERVER_TEST_FILES); server=$$?; \
 	echo "make test: tests without a server exit $$unit, server tests exit $$server"; \

@@ -18,6 +18,10 @@ CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch", "measure")
 CPU_PREFILL_ATTENTION_CHOICES = ("auto", "native", "sdpa", "measure")
 
 
+# Where KV-cache events may go (kv_events_endpoint, kv_events_replay_endpoint).
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
 # Keys an earlier release took, and their names now: a deployed config.pbtxt keeps working.
 RENAMED_KEYS = {"cpu_fused_ops": "fused_layer_ops"}
 
@@ -95,6 +99,22 @@ class EngineConfig:
     drain_timeout_s: float = 20.0              # serving: on shutdown or unload, how long requests in flight
                                                # may finish before they are aborted (the launcher sets
                                                # Triton's exit timeout above it)
+    # KV-cache events for routers that track what each replica holds (Dynamo's KV router,
+    # llm-d's indexer): BlockStored / BlockRemoved / AllBlocksCleared in vLLM's wire format
+    # on a ZMQ PUB socket (docs/scaling.md, "KV-cache events"). The names are vLLM's
+    # kv_events_config keys, prefixed. Off: no socket, no thread, nothing recorded.
+    enable_kv_cache_events: bool = False
+    kv_events_publisher: Literal["zmq", "null"] = "zmq"   # null: nothing is published (vLLM's spelling)
+    kv_events_endpoint: str = "tcp://*:5557"   # bound when its host is a wildcard ("*", "::") or it is
+                                               # ipc:// or inproc://, else connected to (vLLM's rule):
+                                               # Dynamo's indexer connects, llm-d's binds
+    kv_events_replay_endpoint: str | None = None  # a ROUTER socket (bound) that resends kept batches
+                                               # from a sequence number; None = no replay
+    kv_events_buffer_steps: int = 10000        # batches kept for replay
+    kv_events_hwm: int = 100000                # ZMQ high-water mark: messages queued per subscriber
+                                               # before ZMQ drops for that subscriber
+    kv_events_topic: str = ""                  # first frame of every message; llm-d reads
+                                               # kv@<host:port>@<model> from it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -168,6 +188,15 @@ class EngineConfig:
         check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
               "prompt_lookup_min must be >= 1 and <= prompt_lookup_max")
         check(self.speculative_max_batch_size >= 1, "speculative_max_batch_size must be >= 1")
+        check(self.kv_events_publisher in ("zmq", "null"), "kv_events_publisher must be zmq or null")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            check(endpoint is None or endpoint.startswith(ZMQ_TRANSPORTS),
+                  f"{name} must be a ZMQ address ({', '.join(ZMQ_TRANSPORTS)}...), got {endpoint!r}")
+        check(self.kv_events_buffer_steps >= 1, "kv_events_buffer_steps must be >= 1")
+        check(self.kv_events_hwm >= 0, "kv_events_hwm must be >= 0 (0 = no limit)")
+        check(not self.enable_kv_cache_events or self.enable_prefix_caching,
+              "enable_kv_cache_events needs enable_prefix_caching (without it no block is hashed or cached)")
 
 
 def _coerce(name: str, raw: Any, annotation: str) -> Any:

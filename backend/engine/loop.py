@@ -231,6 +231,8 @@ class EngineLoop:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.engine.kv_events is not None and not self._thread.is_alive():   # no step records any more
+            self.engine.kv_events.close()
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
