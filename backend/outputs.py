@@ -34,6 +34,9 @@ class RequestOutput:
     num_output_tokens: int              # generated so far, this step's included
     new_logprobs: list[dict[int, Logprob]] | None = None  # per new token, when asked
     cumulative_logprob: float | None = None              # sum over the generated tokens, when logprobs are asked
+    # prompt_logprobs asked: per prompt position (None at 0), in every output once the prompt is
+    # computed (the request's own list: nothing is copied)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stop_reason: str | int | None = None                 # the stop string or token id that ended it
     finish_message: str | None = None                    # why, for "error" and server-side "abort"
     # For "error": set when the request itself was at fault (e.g. its grammar did not compile),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from backend.structured_outputs import (GUIDE, GUIDE_TYPE, STRUCTURED_OUTPUTS, G
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_SEED = 2**63  # torch.Generator seeds are signed 64-bit
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+INTERNAL = "internal"   # field metadata key: set by the engine, never sent by a client
 
 # Request size limits: what a request may carry before it reaches the engine. Named on server
 # start-up and in the README; requests beyond them get INVALID_ARG naming the field.
@@ -27,8 +29,16 @@ MAX_TEMPERATURE = 100.0                # beyond this every distribution is unifo
 MAX_REPETITION_PENALTY = 100.0
 MAX_TOP_K = 2**31 - 1                  # values >= the vocabulary size mean "disabled"
 MAX_N = 64                             # completions per request (each one is a request in the queue)
+MAX_LOGPROBS = 20                      # top-n of logprobs and prompt_logprobs (vLLM's default bound)
 MAX_CACHE_SALT_CHARS = 256
 MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_LOGIT_BIAS = 100.0                 # |bias|: vLLM clamps biases into [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024           # logit_bias entries (vLLM's MAX_NUM_LOGIT_BIAS_TOKENS)
+MAX_BAD_WORDS_SEQUENCES = 128          # bad_words' token sequences after tokenizing (vLLM's MAX_NUM_BAD_WORDS)
+MAX_BAD_WORDS_TOKENS = 1024            # and their tokens in all (vLLM's MAX_BAD_WORDS_TOTAL_TOKENS)
+
+
+_INTEGER_TEXT = re.compile(r"[+-]?\d+")
 
 
 def _is_int(value: Any) -> bool:
@@ -42,6 +52,31 @@ def _is_number(value: Any) -> bool:
         return math.isfinite(float(value))
     except OverflowError:   # an int too large for a float
         return False
+
+
+def _normalized_logit_bias(value: Any) -> dict[int, float] | None:
+    """``logit_bias`` with int keys (JSON's are strings) and each bias clamped into
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as vLLM takes it; ids are checked against the vocabulary
+    at validation (backend/engine/validation.py)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("logit_bias", f"must be an object {{token id: bias}} or null, got {show(value)}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError("logit_bias", f"has {len(value)} entries; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        # Digits beyond int64's 19 are out of range anyway (and int() refuses > 4300 of them).
+        if isinstance(key, str) and len(key) <= 32 and _INTEGER_TEXT.fullmatch(key.strip()):
+            token = int(key.strip())
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (integers >= 0), got {show(key)}")
+        if not _is_number(bias):
+            raise InvalidRequestError("logit_bias", f"biases must be finite numbers, got {show(bias)} "
+                                                    f"for token {token}")
+        biases[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias)))
+    return biases
 
 
 @dataclass
@@ -61,6 +96,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0       # [-2, 2]
     priority: int = 0                    # lower value is served first (scheduling_policy="priority")
     logprobs: int | None = None          # top-n logprobs per generated token (0 = sampled token only)
+    # top-n logprobs at each prompt position (0 = the prompt token's only; vLLM's prompt_logprobs):
+    # computed from the raw logits of the prefill, so such a request reads nothing from the prefix cache
+    prompt_logprobs: int | None = None
     # n completions of one prompt (backend/engine/parallel_sampling.py). best_of is accepted
     # only as 1 or null (Triton's OpenAI frontend sends it for completions; vLLM V1 removed it).
     n: int = 1
@@ -74,12 +112,25 @@ class SamplingParams:
     lora_name: str | None = None
     # Only these token ids may be generated (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
+    # {token id: bias} added to the logits before sampling (OpenAI's and vLLM's logit_bias; JSON
+    # keys are strings of ints). Stored with int keys and biases clamped into +-MAX_LOGIT_BIAS.
+    logit_bias: dict[int, float] | None = None
+    # Words the output must not contain (vLLM's bad_words: backend/sample/bad_words.py).
+    bad_words: list[str] = field(default_factory=list)
+    # true: a stop string that ends the output stays in its text (and so does a stop token's text).
+    include_stop_str_in_output: bool = False
     # Structured outputs (backend/structured_outputs.py): the output must match a JSON schema,
     # regex, choice list or grammar. Triton's vLLM backend form (an object, or a JSON string of
     # one), or the TensorRT-LLM backend's guide type + guide; ``grammar_spec`` is the result.
     structured_outputs: dict[str, Any] | str | None = None
     guided_decoding_guide_type: str | None = None
     guided_decoding_guide: str | None = None
+    # Not a request key (INTERNAL): (bad_words, their token sequences), filled in by the first
+    # validation (backend/engine/validation.py), which has the tokenizer. A field, so that
+    # dataclasses.replace (the n > 1 children) keeps it and words are tokenized once per request;
+    # the words are kept to tell when a replace changed them.
+    tokenized_bad_words: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = field(
+        default=None, repr=False, compare=False, metadata={INTERNAL: True})
 
     def __post_init__(self) -> None:
         # JSON clients send null for "none" (OpenAI style); a single stop string is allowed too.
@@ -89,11 +140,14 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
         self._validate()
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls))
+        """The request keys (internal fields are not)."""
+        return frozenset(f.name for f in dataclasses.fields(cls) if not f.metadata.get(INTERNAL))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
@@ -153,8 +207,10 @@ class SamplingParams:
             fail("frequency_penalty", "a number in [-2, 2]")
         if not _is_int(self.priority):
             fail("priority", "an integer in [-2**63, 2**63)")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            fail("logprobs", "an integer in [0, 20] or null")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"an integer in [0, {MAX_LOGPROBS}] or null")
         if not isinstance(self.speculative, bool):
             fail("speculative", "a boolean")
         for name in ("lora_name", "cache_salt"):   # names a client picks: short, non-empty text
@@ -167,6 +223,19 @@ class SamplingParams:
                 or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
                 or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             fail("allowed_token_ids", f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} integers >= 0, or null")
+        self.logit_bias = _normalized_logit_bias(self.logit_bias)
+        # Each word is at least one token sequence; their text is bounded like a grammar's
+        # (MAX_SAMPLING_JSON_BYTES), so that the in-process API cannot send more than a client.
+        if (not isinstance(self.bad_words, list)
+                or not all(isinstance(w, str) and w and is_encodable(w) for w in self.bad_words)):
+            fail("bad_words", f"a list of at most {MAX_BAD_WORDS_SEQUENCES} non-empty strings")
+        self.bad_words = list(dict.fromkeys(self.bad_words))   # duplicates dropped, as vLLM does
+        if (len(self.bad_words) > MAX_BAD_WORDS_SEQUENCES
+                or sum(len(w) for w in self.bad_words) > MAX_SAMPLING_JSON_BYTES):
+            fail("bad_words", f"a list of at most {MAX_BAD_WORDS_SEQUENCES} non-empty strings of at most "
+                              f"{MAX_SAMPLING_JSON_BYTES} characters in all")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            fail("include_stop_str_in_output", "a boolean")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             fail("n", f"an integer in [1, {MAX_N}]")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != 1):

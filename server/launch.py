@@ -29,6 +29,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from server.stub.metric_names import REPORT_CUSTOM_METRICS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "llm"
@@ -132,10 +134,11 @@ def configured_drain_timeout(params: dict[str, str]) -> float:
 def repository_with_params(params: dict[str, str], workdir: Path) -> Path:
     """Copy the model repository with engine parameters set in its config.pbtxt (replacing a
     parameter the file sets already, adding the others). Keys must be EngineConfig fields (or
-    their earlier names, RENAMED_KEYS)."""
+    their earlier names, RENAMED_KEYS), or the model's own REPORT_CUSTOM_METRICS."""
     from backend.config import RENAMED_KEYS, EngineConfig
 
-    unknown = sorted(set(params) - {f.name for f in dataclasses.fields(EngineConfig)} - set(RENAMED_KEYS))
+    known = {f.name for f in dataclasses.fields(EngineConfig)} | set(RENAMED_KEYS) | {REPORT_CUSTOM_METRICS}
+    unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"not engine parameters: {unknown}")
     target = workdir / "model_repository"
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                        help="override an engine parameter of config.pbtxt")
+                        help="override an engine parameter of config.pbtxt (or set REPORT_CUSTOM_METRICS)")
     args = parser.parse_args(argv)
     params = dict(p.split("=", 1) for p in args.param)
     server = TritonServer(args.http_port, args.grpc_port, args.metrics_port, params, supervise=True)

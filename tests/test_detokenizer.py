@@ -73,10 +73,11 @@ def stream(engine: Engine, request_id: str, prompt: str | list[int], params: Sam
 
 
 def feed(tokenizer: Any, ids: Sequence[int], stop: list[str] | None = None,
-         prompt_ids: Sequence[int] = ()) -> tuple[list[str], str | None, IncrementalDetokenizer, int]:
+         prompt_ids: Sequence[int] = (), include_stop: bool = False,
+         ) -> tuple[list[str], str | None, IncrementalDetokenizer, int]:
     """Feed ids one by one as the engine does; returns deltas, the stop hit, the detokenizer
     and how many ids were consumed (generation ends at a stop string)."""
-    detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), stop or [])
+    detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), stop or [], include_stop)
     deltas: list[str] = []
     for n, token in enumerate(ids, start=1):
         delta, hit = detok.add_token(token)
@@ -232,6 +233,40 @@ def test_earliest_match_wins_within_one_token_regardless_of_list_order(tokenizer
     for stops in (["ick", "qu"], ["qu", "ick"]):
         _, hit, detok, consumed = feed(tokenizer, ids, stops)
         assert (hit, detok.text, consumed) == ("qu", "The ", 2)
+
+
+@pytest.mark.parametrize(("stop", "expected_text", "expected_tokens"), [
+    ("brown fox", "The quick brown fox", 4),
+    ("k b", "The quick b", 3),               # the rest of " brown" is cut, as in vLLM
+    ("row", "The quick brow", 3),
+    ("dog.", FOX, 10),
+])
+def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tokenizer: Any, stop: str, expected_text: str,
+                                                                   expected_tokens: int) -> None:
+    ids = tokenizer(FOX).input_ids
+    detok = IncrementalDetokenizer(tokenizer, [], [stop, "quick brown cat"], include_stop=True)
+    streamed, hit, consumed = "", None, 0
+    while hit is None:
+        delta, hit = detok.add_token(ids[consumed])
+        consumed += 1
+        streamed += delta
+        if hit is None:   # every character so far is out, partial stop strings included
+            assert streamed == tokenizer.decode(ids[:consumed])
+    assert (hit, consumed, detok.text, streamed) == (stop, expected_tokens, expected_text, expected_text)
+
+
+def test_a_stop_string_completed_before_min_tokens_is_not_found_later(tokenizer: Any) -> None:
+    """Only stop strings that end in the new text count (vLLM's window): "quick", completed
+    while stops were not checked, must not cut text that was already released."""
+    ids = tokenizer(FOX).input_ids
+    for include_stop in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, [], ["quick", "a much longer stop string"], include_stop)
+        streamed = "".join(detok.add_token(t, check_stop=False)[0] for t in ids[:2])
+        for token in ids[2:]:
+            delta, hit = detok.add_token(token)
+            assert hit is None
+            streamed += delta
+        assert streamed + detok.finish() == FOX == detok.text
 
 
 def test_the_engine_loads_the_tokenizer_autotokenizer_loads(tokenizer: Any) -> None:

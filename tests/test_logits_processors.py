@@ -19,8 +19,10 @@ from backend.core.kv_cache_manager import KVCacheManager
 from backend.core.kv_cache_utils import block_extra_keys, hash_block, request_block_hashes
 from backend.core.request import Request
 from backend.sample.constraints import AllowedTokenIds, TokenConstraint, bitmask_from_ids, bitmask_to_bool
-from backend.sample.logits_processors import (AllowedTokensProcessor, MinTokensProcessor, PenaltiesProcessor,
-                                              blocks_drafts)
+from backend.sample.bad_words import BadWords
+from backend.sample.logits_processors import (AllowedTokensProcessor, BadWordsProcessor, LogitBiasProcessor,
+                                              MinTokensProcessor, PenaltiesProcessor, blocks_drafts,
+                                              default_processors)
 from backend.sample.metadata import SamplingBatch, SamplingMetadata
 from backend.sample.sampler import Sampler
 from backend.sampling_params import SamplingParams
@@ -84,6 +86,76 @@ def test_processors_that_read_earlier_tokens_block_drafts() -> None:
     assert blocks_drafts(make_request(presence_penalty=1.0))
     assert not blocks_drafts(make_request(allowed_token_ids=[1, 2]))
     assert not blocks_drafts(make_request(output=[4, 4], min_tokens=2))
+    # A bias is the same on every row; bad words are checked per row against the drafts before it.
+    assert not blocks_drafts(make_request(logit_bias={1: 5.0}))
+    assert not blocks_drafts(with_bad_words(make_request(), [(3,), (4, 5)]))
+
+
+# ---- logit_bias ----------------------------------------------------------------------------------
+def test_logit_bias_is_added_to_every_row_of_its_request_drafts_included() -> None:
+    logits = torch.randn(1 + 3, 6)
+    plain = make_request()
+    biased = make_request(logit_bias={"2": 3.5, 5: -1.25})
+    _, out = run(LogitBiasProcessor(), logits, [plain, biased], [[], [1, 1]])
+    assert torch.equal(out[0], logits[0])
+    expected = logits[1:].clone()
+    expected[:, 2] += 3.5
+    expected[:, 5] -= 1.25
+    assert torch.equal(out[1:], expected)
+    assert run(LogitBiasProcessor(), logits[:1], [plain])[0] is None
+
+
+def test_logit_bias_runs_before_the_repetition_penalty_as_in_vllm() -> None:
+    # Token 1 (seen in the prompt) at 1.0, biased by +3: (1 + 3) / 2 = 2 beats token 0's 1.5;
+    # penalised first, it would be 1 / 2 + 3 = 3.5 (the same argmax, so check the value).
+    logits = torch.tensor([[1.5, 1.0, -5.0]])
+    request = make_request(prompt=[1], logit_bias={1: 3.0}, repetition_penalty=2.0)
+    meta = SamplingMetadata.build(SamplingBatch([request], [[]]), default_processors(), 3, CPU)
+    out = logits.clone()
+    for processor, state in meta.processor_states:
+        processor.apply(out, state)
+    assert out[0, 1].item() == pytest.approx(2.0)
+
+
+# ---- bad_words -----------------------------------------------------------------------------------
+def with_bad_words(request: Request, sequences: list[tuple[int, ...]]) -> Request:
+    request.bad_words = BadWords(tuple(sequences))
+    return request
+
+
+def banned_columns(row: torch.Tensor) -> list[int]:
+    return torch.isinf(row).nonzero().flatten().tolist()
+
+
+def test_bad_words_ban_the_last_token_where_the_rest_ends_the_output() -> None:
+    sequences = [(7,), (3, 4), (1, 2, 5)]
+    logits = torch.zeros(4, 8)
+    fresh = with_bad_words(make_request(prompt=[1, 2]), sequences)       # the prompt does not count
+    after_3 = with_bad_words(make_request(output=[6, 3]), sequences)
+    after_1_2 = with_bad_words(make_request(output=[1, 2]), sequences)
+    after_2 = with_bad_words(make_request(output=[6, 2]), sequences)
+    _, out = run(BadWordsProcessor(), logits, [fresh, after_3, after_1_2, after_2])
+    assert [banned_columns(row) for row in out] == [[7], [4, 7], [5, 7], [7]]
+
+
+def test_bad_words_check_each_draft_row_against_the_drafts_before_it() -> None:
+    request = with_bad_words(make_request(output=[0]), [(3, 4), (4, 4, 5)])
+    logits = torch.zeros(4, 6)
+    _, out = run(BadWordsProcessor(), logits, [request], [[3, 4, 4]])
+    # Row 0 follows [0]; row 1 follows [0, 3]: 4 banned; row 2 follows [0, 3, 4]; row 3 follows
+    # [0, 3, 4, 4]: 5 banned.
+    assert [banned_columns(row) for row in out] == [[], [4], [], [5]]
+
+
+def test_a_draft_that_completes_a_bad_word_is_never_accepted() -> None:
+    logits = torch.zeros(3, 8)
+    logits[0, 1] = logits[1, 2] = logits[2, 4] = 10.0     # the unconstrained argmax of each row
+    logits[:, 3] = 5.0
+    assert Sampler(seed=0)(logits, [make_request(output=[5])], [[1, 2]]).token_ids == [[1, 2, 4]]
+    request = with_bad_words(make_request(output=[5]), [(1, 2)])
+    # Draft 1 is accepted; draft 2 would complete the bad word after it: row 1 bans it.
+    assert Sampler(seed=0)(logits, [request], [[1, 2]]).token_ids == [[1, 3]]
+    assert request.bad_words.num_valid_drafts([5], [1, 2, 2]) == 1
 
 
 # ---- token masks ---------------------------------------------------------------------------------

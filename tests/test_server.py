@@ -240,6 +240,14 @@ BAD_REQUESTS = {
     "wrong JSON value type": ([text_input(b"Hello"), params_input('{"max_tokens": "ten"}')], "max_tokens"),
     "wrong tensor type": ([tensor("text_input", np.array([1], dtype=np.int32), "INT32")], "text_input"),
     "no prompt at all": ([params_input('{"max_tokens": 4}')], "text_input"),
+    "logit_bias id beyond the vocabulary": ([text_input(b"Hello"), params_input('{"logit_bias": {"49152": 5}}')],
+                                            "logit_bias"),
+    "logit_bias not a number": ([text_input(b"Hello"), params_input('{"logit_bias": {"5": "up"}}')], "logit_bias"),
+    "bad_words that tokenize to nothing": ([text_input(b"Hello"), params_input('{"bad_words": ["  "]}')],
+                                           "bad_words"),
+    "include_stop_str_in_output not a boolean": (
+        [text_input(b"Hello"), params_input('{"include_stop_str_in_output": "sometimes"}')],
+        "include_stop_str_in_output"),
 }
 
 
@@ -313,6 +321,35 @@ def test_openai_frontend_n_is_served_and_out_of_range_n_is_invalid_arg(server: T
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 400 and "n: must be an integer in [1, 64]" in json.loads(info.value.read())["error"]
+
+
+def test_logit_bias_bad_words_and_include_stop_str_are_served(client: LLMClient, server: TritonServer,
+                                                               engine: Engine) -> None:
+    """Each changes the greedy text as the engine's own run with it (the server drafts: the
+    same text), and a bad value is INVALID_ARG naming it."""
+    france, new_york = "The capital of France is", "New York is a city in"
+    paris = engine.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    cases = [(france, {"logit_bias": {paris: -100}}), (new_york, {"bad_words": ["New York"]}),
+             (france, {"stop": ["answer"], "include_stop_str_in_output": True}),
+             (france, {"stop": ["answer"], "include_stop_str_in_output": False})]
+    texts = []
+    for prompt, extra in cases:
+        sampling = {"max_tokens": 12, **GREEDY, **extra}
+        expected = engine.generate([prompt], SamplingParams.from_dict(json.loads(json.dumps(sampling))))[0]
+        served = client.generate(prompt, **sampling)
+        assert (served.text, served.finish_reason) == (expected.text, expected.finish_reason), extra
+        texts.append(served.text)
+    plain = {prompt: engine.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0].text
+             for prompt in (france, new_york)}
+    assert plain[france].startswith(" Paris") and not texts[0].startswith(" Paris")
+    assert "New York" in plain[new_york] and "New York" not in texts[1]
+    assert texts[2] == texts[3] + "answer" and texts[3].endswith("The ")
+    # Over HTTP the code is the status: INVALID_ARG is 400 (a stream's error carries no code).
+    body = {"text_input": "Hi", "sampling_parameters": json.dumps({"logit_bias": {"5": "up"}})}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400 and json.loads(info.value.read())["error"].startswith("logit_bias: ")
 
 
 def test_error_codes_are_invalid_arg(server: TritonServer) -> None:

@@ -8,6 +8,7 @@ accounting is consistent.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,29 @@ INVALID_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("min_tokens", {"min_tokens": -1}),
     ("seed", {"seed": "x"}),
     ("seed", {"seed": 1.0}),
+    ("logit_bias", {"logit_bias": [[5, 1.0]]}),
+    ("logit_bias", {"logit_bias": {"five": 1.0}}),
+    ("logit_bias", {"logit_bias": {"-1": 1.0}}),
+    ("logit_bias", {"logit_bias": {"1.5": 1.0}}),
+    ("logit_bias", {"logit_bias": {True: 1.0}}),
+    ("logit_bias", {"logit_bias": {"9" * 5000: 1.0}}),
+    ("logit_bias", {"logit_bias": {"5": math.nan}}),
+    ("logit_bias", {"logit_bias": {"5": math.inf}}),
+    ("logit_bias", {"logit_bias": {"5": "1"}}),
+    ("logit_bias", {"logit_bias": {"5": None}}),
+    ("logit_bias", {"logit_bias": {str(i): 1.0 for i in range(1025)}}),
+    ("bad_words", {"bad_words": "word"}),
+    ("bad_words", {"bad_words": [""]}),
+    ("bad_words", {"bad_words": ["ok", 5]}),
+    ("bad_words", {"bad_words": ["\ud800"]}),
+    ("bad_words", {"bad_words": [f"w{i}" for i in range(129)]}),
+    ("bad_words", {"bad_words": ["x" * (16 * 1024 + 1)]}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": "yes"}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
 ]
 
 
-@pytest.mark.parametrize(("field", "kwargs"), INVALID_PARAMS, ids=[f"{f}={v}" for f, v in INVALID_PARAMS])
+@pytest.mark.parametrize(("field", "kwargs"), INVALID_PARAMS, ids=[f"{f}={v}"[:60] for f, v in INVALID_PARAMS])
 def test_invalid_sampling_param_names_the_field(field: str, kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
@@ -81,7 +101,7 @@ def test_invalid_sampling_param_names_the_field(field: str, kwargs: dict[str, An
     assert field in str(info.value)
 
 
-@pytest.mark.parametrize(("field", "kwargs"), INVALID_PARAMS, ids=[f"{f}={v}" for f, v in INVALID_PARAMS])
+@pytest.mark.parametrize(("field", "kwargs"), INVALID_PARAMS, ids=[f"{f}={v}"[:60] for f, v in INVALID_PARAMS])
 def test_invalid_sampling_param_from_dict(field: str, kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams.from_dict(dict(kwargs))
@@ -133,6 +153,21 @@ def test_from_dict_rejects_non_dict(values: Any) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams.from_dict(values)
     assert info.value.field == "sampling_parameters"
+
+
+def test_logit_bias_and_bad_words_are_taken_as_vllm_takes_them() -> None:
+    params = SamplingParams.from_dict({"logit_bias": {"5": 2, " 7 ": -0.5, "9": 250, "11": -1e9, 13: 1.5},
+                                       "bad_words": ["a", "b", "a"], "include_stop_str_in_output": True})
+    # JSON's string keys become ids; biases are clamped into [-100, 100]; duplicate words dropped.
+    assert params.logit_bias == {5: 2.0, 7: -0.5, 9: 100.0, 11: -100.0, 13: 1.5}
+    assert params.bad_words == ["a", "b"] and params.include_stop_str_in_output is True
+    assert SamplingParams.from_dict({"bad_words": None, "logit_bias": None}).bad_words == []
+    assert SamplingParams.from_dict({"bad_words": [f"w{i}" for i in range(128)]}).bad_words[-1] == "w127"
+    assert len(SamplingParams.from_dict({"logit_bias": {str(i): 1 for i in range(1024)}}).logit_bias) == 1024
+    # The tokenized words are the engine's, never a request key.
+    assert "tokenized_bad_words" not in SamplingParams.field_names()
+    with pytest.raises(InvalidRequestError):
+        SamplingParams.from_dict({"tokenized_bad_words": None})
 
 
 def test_from_dict_round_trip() -> None:
@@ -352,6 +387,42 @@ def test_out_of_range_seed_is_an_invalid_request(engine: Engine, reference: Requ
         engine.add_request("huge-seed", NORMAL_PROMPT, SamplingParams.from_dict({"max_tokens": 2, "seed": 2**64}))
     assert info.value.field == "seed"
     assert_still_serves(engine, reference)
+
+
+@pytest.mark.parametrize(("field", "params", "message"), [
+    ("logit_bias", {"logit_bias": {str(VOCAB_SIZE): 1.0}}, f"[0, {VOCAB_SIZE})"),
+    ("bad_words", {"bad_words": ["   "]}, "tokenizes to no tokens"),
+    # 65 words of two spellings each ("w0" and " w0"): 130 sequences, over vLLM's 128.
+    ("bad_words", {"bad_words": [f"w{i}" for i in range(65)]}, "130 token sequences"),
+    ("bad_words", {"bad_words": ["the " * 1100]}, "tokens in all"),
+])
+def test_vocabulary_dependent_checks_name_the_field(engine: Engine, reference: RequestOutput, field: str,
+                                                    params: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("bad-vocab", NORMAL_PROMPT, SamplingParams.from_dict({"max_tokens": 2, **params}))
+    assert info.value.field == field and str(info.value).startswith(f"{field}: ") and message in str(info.value)
+    assert_still_serves(engine, reference)
+
+
+def test_bad_words_are_tokenized_once_per_request(engine: Engine, monkeypatch) -> None:
+    """The first validation (the serving layer's, on the caller's thread) keeps the token
+    sequences on the parameters; the engine's, and the n > 1 children's copies, reuse them."""
+    from backend.engine import validation
+    from backend.engine.parallel_sampling import child_params
+
+    calls = []
+    tokenize = validation.tokenize_bad_words
+    monkeypatch.setattr(validation, "tokenize_bad_words", lambda *args: calls.append(args) or tokenize(*args))
+    params = SamplingParams(max_tokens=2, bad_words=["Paris"], n=2)
+    assert engine.validator.validate(NORMAL_PROMPT, params).bad_words is not None
+    children = [child_params(params, i) for i in range(2)]
+    for i, child in enumerate(children):
+        engine.add_request(f"child-{i}", NORMAL_PROMPT, child)
+    run_to_completion(engine)
+    assert len(calls) == 1
+    # A copy whose words were changed is tokenized again.
+    engine.validator.validate(NORMAL_PROMPT, dataclasses.replace(children[0], bad_words=["London"]))
+    assert len(calls) == 2
 
 
 def test_queue_full(engine: Engine, reference: RequestOutput) -> None:

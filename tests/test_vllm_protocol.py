@@ -49,6 +49,17 @@ def test_request_parameters_count_and_the_tensor_wins() -> None:
     assert sampling_params(None, json.dumps({"timeout": 5, "max_tokens": 3})).max_tokens == 3
 
 
+def test_logit_bias_bad_words_and_include_stop_str_in_output_as_json_sends_them() -> None:
+    params = sampling_params(json.dumps({"logit_bias": {"50": 5, "7": -100.5}, "bad_words": ["cat", "dog"],
+                                         "include_stop_str_in_output": "true"}))
+    assert params.logit_bias == {50: 5.0, 7: -100.0} and params.bad_words == ["cat", "dog"]
+    assert params.include_stop_str_in_output is True
+    assert sampling_params(None, json.dumps({"include_stop_str_in_output": "false"})).include_stop_str_in_output is False
+    # JSON's non-standard NaN / Infinity literals, which json.loads takes, are not biases.
+    with pytest.raises(InvalidRequestError, match="^logit_bias: "):
+        sampling_params('{"logit_bias": {"5": NaN}}')
+
+
 def test_max_completion_tokens_is_openais_name_for_max_tokens() -> None:
     # LiteLLM passes it through next to its own default max_tokens of 2000.
     assert sampling_params(None, json.dumps({"max_tokens": 2000, "max_completion_tokens": 9})).max_tokens == 9
@@ -78,7 +89,8 @@ def test_response_payloads() -> None:
                         "9": {"logprob": -2.0, "rank": 2, "decoded_token": " a"}}]
 
 
-@pytest.mark.parametrize("key", ["stop", "max_tokens", "seed", "n", "temperature", "allowed_token_ids"])
+@pytest.mark.parametrize("key", ["stop", "max_tokens", "seed", "n", "temperature", "allowed_token_ids", "logit_bias",
+                                 "bad_words"])
 def test_deeply_nested_values_are_refused_not_internal_errors(key: str) -> None:
     # Near the recursion limit, json.loads still decodes the value but a full repr of it in the
     # error message did not: RecursionError, an INTERNAL error for a bad request (the fault

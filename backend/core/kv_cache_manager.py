@@ -90,8 +90,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of the request's tokens, in whole blocks. The last token is
-        never served from cache: its logits must be computed."""
-        if not self.enable_caching or request.num_computed_tokens > 0:
+        never served from cache: its logits must be computed. A request that asked for prompt
+        logprobs reads no cached block: every prompt position's logits must be computed (as in
+        vLLM); the blocks it fills are still cached for others."""
+        if not self.enable_caching or request.num_computed_tokens > 0 or request.wants_prompt_logprobs:
             return KVCacheBlocks(), 0
         request_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -141,8 +143,7 @@ class KVCacheManager:
         blocks = self.req_blocks[request.request_id]
         start = self._num_registered.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.pool.cache_full_blocks(request, blocks, start, end)
         self._num_registered[request.request_id] = max(start, end)
 
     def release_outside_window(self, request: Request) -> int:

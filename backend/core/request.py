@@ -19,6 +19,7 @@ from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from backend.lora.adapter import LoRAAdapter
+    from backend.sample.bad_words import BadWords
     from backend.sample.constraints import TokenConstraint
 
 
@@ -71,6 +72,9 @@ class Request:
     generator: torch.Generator | None = None   # per-request RNG when a seed is given
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0       # sum of the generated tokens' logprobs (when logprobs are asked)
+    # prompt_logprobs asked: one entry per prompt position, filled as the prefill computes them
+    # (position 0, which nothing predicts, stays None); None when not asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Block-hash extra keys (backend/core/kv_cache_utils.py): what besides the tokens decides
     # whether a cached block may be reused by this request.
     lora_id: int | None = None
@@ -79,15 +83,23 @@ class Request:
     constraint: "TokenConstraint | None" = None
     # The constraint while it is built; the scheduler installs it before admission.
     pending_constraint: PendingConstraint | None = None
+    # The token sequences bad_words bans, indexed (backend/sample/bad_words.py); None: none.
+    bad_words: "BadWords | None" = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def cache_salt(self) -> str | None:
         return self.sampling_params.cache_salt
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

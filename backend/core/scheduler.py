@@ -48,6 +48,7 @@ from backend.core.request import Request, RequestStatus
 from backend.core.request_queue import WaitingQueue
 from backend.core.scheduler_output import SchedulerOutput
 from backend.core.step_cost import ZERO, Features, StepCostModel, add, largest_fitting, row_features, sub
+from backend.sample.bad_words import generated_tail
 from backend.sample.speculative import NgramProposer, can_speculate
 
 
@@ -343,6 +344,9 @@ class Scheduler:
             drafts = self.proposer.propose(request.token_ids, max_drafts)
             if drafts and request.constraint is not None:   # drafts the constraint rejects cannot be accepted
                 drafts = drafts[:request.constraint.num_valid_drafts(drafts)]
+            if drafts and request.bad_words is not None:    # nor can a draft that completes a bad word
+                generated = generated_tail(request.token_ids, request.num_prompt_tokens, request.bad_words.context)
+                drafts = drafts[:request.bad_words.num_valid_drafts(generated, drafts)]
             without = sub(out.features, self._row(request, 1))
             while drafts and target is not None and self.cost_model is not None and \
                     self.cost_model.predict(add(without, self._row(request, 1 + len(drafts)))) > target:

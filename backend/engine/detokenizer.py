@@ -6,6 +6,10 @@ few tokens of left context (so tokenizers that strip a leading space at the star
 sequence still produce it mid-sequence). Stop strings end the request even when they
 span tokens; they are not emitted, and any tail of the text that could still grow into a
 stop string is held back, so no partial stop string ever reaches a client.
+
+With ``include_stop`` (vLLM's ``include_stop_str_in_output``) the stop string is kept (the
+text ends with it) and nothing is held back, as in vLLM: a partial stop string is text the
+client gets either way.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False,
+                 ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0                 # decode window start (left context)
@@ -44,12 +50,14 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += self._pending_text(force=False)
         if check_stop and self.stop and len(self.text) > old_len:
-            search_from = max(0, old_len - self.max_stop_len + 1)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            # Only stop strings that end in the new text: one that ended before was either found
+            # then or not looked for (min_tokens), and must not cut text already released.
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
             if hits:
                 index, stop = min(hits)
-                self.text = self.text[:index]
-                return self._emit(index), stop
+                end = index + len(stop) if self.include_stop else index
+                self.text = self.text[:end]
+                return self._emit(end), stop
         return self._emit(len(self.text) - self._held_back()), None
 
     def finish(self) -> str:
@@ -65,8 +73,9 @@ class IncrementalDetokenizer:
         return self._num_emitted
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        tail = self.text[-self.max_stop_len:] if self.max_stop_len else ""
+        """Length of the longest tail of the text that is a proper prefix of a stop string
+        (none when stop strings stay in the text)."""
+        tail = self.text[-self.max_stop_len:] if self.max_stop_len and not self.include_stop else ""
         for start in range(len(tail)):
             suffix = tail[start:]
             if any(s.startswith(suffix) for s in self.stop):

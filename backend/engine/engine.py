@@ -33,6 +33,7 @@ from backend.sample.constraints import AllowedTokenIds
 from backend.sample.grammar import GrammarService
 from backend.sample.sampler import Sampler, SamplerOutput
 from backend.sampling_params import SamplingParams
+from backend.sample.prompt_logprobs import fill_prompt_logprobs
 from backend.worker.model_runner import ModelRunner
 from backend.worker.step_calibration import fit_step_cost
 
@@ -51,6 +52,11 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                        self.arch.release_window)
+        # KV-cache events (docs/scaling.md). Off (the default), nothing is started and pyzmq is not imported.
+        self.kv_events = None
+        if config.enable_kv_cache_events:
+            from backend.engine.kv_event_publisher import start_kv_events
+            self.kv_events = start_kv_events(config, self.kv_cache)
         self.sampler = Sampler(config.seed)
         # The scheduler's clock when prefill chunks are sized to an ITL target.
         self.cost_model = cost_model
@@ -73,6 +79,7 @@ class Engine:
         self.num_steps = 0
         self.last_step: StepRecord | None = None   # for the loop's step trace and metrics
         self.prompt_tokens_total = 0
+        self.started_prompt_tokens_total = 0   # EngineStats.started_prompt_tokens_total
         self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
                             "spec_verifications": 0}
         self.health = EngineHealth()
@@ -111,6 +118,7 @@ class Engine:
                           max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
         if validated.lora is not None:
             request.lora, request.lora_id = validated.lora, validated.lora.lora_id
+        request.bad_words = validated.bad_words
         if params.allowed_token_ids is not None:
             request.constraint = AllowedTokenIds(params.allowed_token_ids, self.arch.vocab_size)
         if params.grammar_spec is not None:   # compiled off this thread; the request waits for it
@@ -225,6 +233,11 @@ class Engine:
         input_ids, meta, sampling = self.runner.prepare(requests, sched.num_scheduled_tokens, block_ids,
                                                         sched.spec_token_ids)
         logits = self.runner.execute(input_ids, meta)
+        prompt_rows = self.runner.prompt_logprob_rows
+        if prompt_rows:     # rows after the sampling ones (ModelRunner._prompt_logprob_rows)
+            num_prompt_rows = sum(part.count for part in prompt_rows)
+            fill_prompt_logprobs(logits[logits.shape[0] - num_prompt_rows:], prompt_rows)
+            logits = logits[:logits.shape[0] - num_prompt_rows]
         drafts = [sched.spec_token_ids.get(r.request_id, []) for r in sampling]
         return sampling, (self.sampler(logits, sampling, drafts) if sampling else None)
 
@@ -268,6 +281,8 @@ class Engine:
         return self.output_processor.error_output(request, error)
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs: dict | None) -> RequestOutput:
+        if request.num_output_tokens == 0:   # its first token (a preempted request keeps its tokens)
+            self.started_prompt_tokens_total += request.num_prompt_tokens
         output = self.output_processor.append_tokens(request, token_ids, logprobs)
         if output.finish_reason is not None:
             self.scheduler.finish_request(request, RequestStatus.finished_with(output.finish_reason))
@@ -304,6 +319,7 @@ class Engine:
             prefix_cache_hit_tokens=self.kv_cache.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             prompt_tokens_total=self.prompt_tokens_total,
+            started_prompt_tokens_total=self.started_prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
             health_error=self.health_error, lora_running=count_loras(self.scheduler.running),
             lora_waiting=count_loras(self.scheduler.waiting), max_loras=self.config.max_loras, **self.spec_counts)

@@ -26,8 +26,9 @@ class OutputProcessor:
         self.generation_tokens_total = 0
 
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params.stop)
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output)
 
     def append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, Logprob] | None,
                       ) -> RequestOutput:
@@ -49,6 +50,9 @@ class OutputProcessor:
                 finish, stop_reason = FinishReason.STOP, token_id
             elif token_id in params.stop_token_ids:
                 finish, stop_reason = FinishReason.STOP, token_id
+            if finish is not None:
+                if params.include_stop_str_in_output:   # the stop token's text too, as in vLLM (EOS has none)
+                    delta += detok.add_token(token_id, check_stop=False)[0]
             else:
                 text, stop_string = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
                 delta += text
@@ -106,6 +110,13 @@ class OutputProcessor:
                 stop_reason: str | int | None = None) -> RequestOutput:
         want_logprobs = request.sampling_params.logprobs is not None
         detokenizer = self._detokenizers[request.request_id]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and request.num_output_tokens:   # the prompt is computed
+            if request.num_output_tokens == len(new_ids):      # its first output: name the tokens once
+                request.prompt_logprobs[1:] = [{token: replace(entry, decoded_token=self._token_text(token))
+                                                for token, entry in position.items()}
+                                               for position in request.prompt_logprobs[1:]]
+            prompt_logprobs = request.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_ids, new_text=delta, finish_reason=finish_reason,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens or 0,
@@ -113,4 +124,4 @@ class OutputProcessor:
             cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
             stop_reason=stop_reason, _all_token_ids=request.token_ids, _detokenizer=detokenizer,
             _text_length=detokenizer.num_released_chars,
-            _all_logprobs=request.logprobs if want_logprobs else None)
+            _all_logprobs=request.logprobs if want_logprobs else None, prompt_logprobs=prompt_logprobs)

@@ -45,9 +45,12 @@ def child_id(request_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Child ``index``'s parameters: one sequence, seed + index when seeded."""
+    """Child ``index``'s parameters: one sequence, seed + index when seeded. Only child 0 computes
+    prompt logprobs (they are the prompt's, the same for every child), so the others still share
+    the prompt's blocks through the prefix cache."""
     seed = None if params.seed is None else (params.seed + index) % MAX_SEED
-    return dataclasses.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 class ParentRequest:

@@ -31,6 +31,9 @@ class EngineStats:
     num_steps: int
     prompt_tokens_total: int         # prompt tokens computed (prefill work, after cache hits)
     generation_tokens_total: int     # tokens generated
+    # Whole prompts (prefix-cache hits included) of the requests that produced a first token,
+    # each counted once then: vLLM's prompt_tokens_total.
+    started_prompt_tokens_total: int = 0
     # Speculative decoding: drafts verified, drafts accepted, tokens emitted by steps that had
     # drafts (accepted + one each), and how many (request, step) verifications there were.
     spec_draft_tokens: int = 0

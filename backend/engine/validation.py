@@ -14,8 +14,10 @@ from backend.core.kv_cache_utils import cdiv
 from backend.errors import InvalidRequestError
 from backend.lora.adapter import LoRAAdapter
 from backend.lora.registry import LoRARegistry
+from backend.sample.bad_words import BadWords, tokenize_bad_words
 from backend.sample.grammar import check_grammar
-from backend.sampling_params import (MAX_SAMPLING_JSON_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+from backend.sampling_params import (MAX_BAD_WORDS_SEQUENCES, MAX_BAD_WORDS_TOKENS, MAX_LOGIT_BIAS_TOKENS,
+                                     MAX_SAMPLING_JSON_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                      MAX_STOP_TOKEN_IDS, SamplingParams)
 from backend.structured_outputs import MAX_GRAMMAR_CHARS
 
@@ -32,6 +34,7 @@ class ValidatedPrompt:
     prompt_token_ids: list[int]
     max_tokens: int            # SamplingParams.max_tokens, or what is left of the context when None
     lora: LoRAAdapter | None = None   # SamplingParams.lora_name, resolved (and loaded)
+    bad_words: BadWords | None = None   # SamplingParams.bad_words, tokenized and indexed
 
 
 @dataclass
@@ -65,6 +68,9 @@ class RequestValidator:
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
         if params.allowed_token_ids is not None and any(t >= self.vocab_size for t in params.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {self.vocab_size})")
+        bad_words = self.bad_words(params)
         if params.grammar_spec is not None:   # parse only (no vocabulary): compiling is the engine's
             check_grammar(params.grammar_spec)
         lora = None
@@ -72,7 +78,21 @@ class RequestValidator:
             if self.loras is None:
                 raise InvalidRequestError("lora_name", "this engine serves no LoRA adapters")
             lora = self.loras.resolve(params.lora_name)
-        return ValidatedPrompt(ids, max_tokens, lora)
+        return ValidatedPrompt(ids, max_tokens, lora, bad_words)
+
+    def bad_words(self, params: SamplingParams) -> BadWords | None:
+        """``params.bad_words`` tokenized and indexed. The token sequences are kept on ``params``
+        (its one write), so that the engine's own validation of the same request, and of its
+        n > 1 children (copies of it), does not tokenize the words again on its thread."""
+        if not params.bad_words:
+            return None
+        words = tuple(params.bad_words)
+        if params.tokenized_bad_words is None or params.tokenized_bad_words[0] != words:
+            params.tokenized_bad_words = (words, tokenize_bad_words(self.tokenizer, words))
+        sequences = params.tokenized_bad_words[1]
+        if any(t >= self.vocab_size for s in sequences for t in s):
+            raise InvalidRequestError("bad_words", f"tokenize to ids beyond the model's vocabulary ({self.vocab_size})")
+        return BadWords(sequences)
 
     def describe_limits(self) -> str:
         """The request bounds, for the server's start-up log (the README lists the same)."""
@@ -81,7 +101,8 @@ class RequestValidator:
                 f"{self.num_kv_blocks * self.block_size} (the whole KV cache); stop <= {MAX_STOP_STRINGS} strings "
                 f"of <= {MAX_STOP_STRING_CHARS} chars; stop_token_ids <= {MAX_STOP_TOKEN_IDS}; "
                 f"sampling_parameters JSON <= {MAX_SAMPLING_JSON_BYTES} bytes; structured-output schema, regex, "
-                f"grammar or choices <= {MAX_GRAMMAR_CHARS} chars")
+                f"grammar or choices <= {MAX_GRAMMAR_CHARS} chars; logit_bias <= {MAX_LOGIT_BIAS_TOKENS} entries; "
+                f"bad_words <= {MAX_BAD_WORDS_SEQUENCES} token sequences of <= {MAX_BAD_WORDS_TOKENS} tokens in all")
 
     @property
     def max_prompt_bytes(self) -> int:

@@ -9,9 +9,14 @@ nothing here. ``apply`` works in place on float32 logits that the sampler has al
 Rows: request i owns ``rows[i]``, its first row followed by one row per speculative draft.
 Penalties and min_tokens depend on the tokens before the row, which for draft rows include
 drafts not yet verified; requests they apply to therefore take no drafts
-(``blocks_drafts``) and have one row. A token mask is the same for every row
-(``allowed_token_ids``) or is computed per row by the request's constraint, so constrained
-requests may take drafts.
+(``blocks_drafts``) and have one row. The others treat every row as a row of its own: a logit
+bias is the same for every row, bad words are checked against each row's own history (the
+drafts before it included), and a token mask is the same for every row
+(``allowed_token_ids``) or is computed per row by the request's constraint; so requests with
+them may take drafts.
+
+The order is vLLM's where it matters: logit_bias before the penalties (a repetition penalty
+divides or multiplies the biased logit). Bans and masks set -inf, which the others keep.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from backend.core.request import Request
+from backend.sample.bad_words import generated_tail
 from backend.sample.constraints import mask_logits_, new_bitmask
 from backend.sample.metadata import SamplingBatch
 
@@ -45,7 +51,39 @@ class LogitsProcessor(abc.ABC):
         """Change ``logits`` ([rows, vocab] float32) in place."""
 
 
-# ---- 1. penalties -----------------------------------------------------------------------------
+# ---- 1. logit_bias --------------------------------------------------------------------------------
+class LogitBiasProcessor(LogitsProcessor):
+    """OpenAI's ``logit_bias``: each listed token's bias is added to its logit, on every row of
+    the request."""
+
+    def applies_to(self, request: Request) -> bool:
+        return bool(request.sampling_params.logit_bias)
+
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device,
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        row_index: list[int] = []
+        token_index: list[int] = []
+        biases: list[float] = []
+        for request, request_rows in zip(batch.requests, batch.rows):
+            if not self.applies_to(request):
+                continue
+            bias = request.sampling_params.logit_bias
+            for row in request_rows:
+                row_index += [row] * len(bias)
+                token_index += bias.keys()
+                biases += bias.values()
+        if not row_index:
+            return None
+        return ((torch.tensor(row_index, dtype=torch.int64, device=device),
+                 torch.tensor(token_index, dtype=torch.int64, device=device)),
+                torch.tensor(biases, dtype=torch.float32, device=device))
+
+    def apply(self, logits: torch.Tensor, state: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        index, biases = state
+        logits.index_put_(index, biases, accumulate=True)
+
+
+# ---- 2. penalties -----------------------------------------------------------------------------
 @dataclass
 class _PenaltyRow:
     row: int
@@ -93,7 +131,7 @@ class PenaltiesProcessor(LogitsProcessor):
                 row -= entry.frequency * counts + entry.presence * (counts > 0).to(row.dtype)
 
 
-# ---- 2. min_tokens: stop-id suppression ---------------------------------------------------------
+# ---- 3. min_tokens: stop-id suppression ---------------------------------------------------------
 class MinTokensProcessor(LogitsProcessor):
     """Until a request has ``min_tokens`` output tokens, its EOS ids (unless ``ignore_eos``)
     and its ``stop_token_ids`` cannot be sampled. Not for a request whose constraint decides
@@ -117,16 +155,53 @@ class MinTokensProcessor(LogitsProcessor):
             banned_ids = sorted(t for t in banned if t < vocab_size)
             row_index += [request_rows[0]] * len(banned_ids)
             token_index += banned_ids
-        if not row_index:
-            return None
-        return (torch.tensor(row_index, dtype=torch.int64, device=device),
-                torch.tensor(token_index, dtype=torch.int64, device=device))
+        return banned_cells(row_index, token_index, device)
 
     def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
         logits[state] = float("-inf")
 
 
-# ---- 3. token masks: allowed_token_ids, grammars ----------------------------------------------
+def banned_cells(row_index: list[int], token_index: list[int], device: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, tokens) index tensors of the logits a processor sets to -inf, or None for none."""
+    if not row_index:
+        return None
+    return (torch.tensor(row_index, dtype=torch.int64, device=device),
+            torch.tensor(token_index, dtype=torch.int64, device=device))
+
+
+# ---- 4. bad_words --------------------------------------------------------------------------------
+class BadWordsProcessor(LogitsProcessor):
+    """vLLM's ``bad_words`` (backend/sample/bad_words.py): in each row, the last token of every
+    banned sequence whose other tokens end the row's history becomes -inf. A row's history is
+    the request's generated tokens followed, for draft row j, by drafts 0..j-1: the row is
+    processed as it would be in a step of its own once those drafts are accepted, so a draft
+    that would complete a bad word can never equal the sample at its position. n > 1 children
+    are requests of their own, each with its own history."""
+
+    def applies_to(self, request: Request) -> bool:
+        return request.bad_words is not None
+
+    def prepare(self, batch: SamplingBatch, vocab_size: int, device: torch.device,
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for request, request_rows, drafts in zip(batch.requests, batch.rows, batch.drafts):
+            bad_words = request.bad_words
+            if bad_words is None:
+                continue
+            generated = generated_tail(request.token_ids, request.num_prompt_tokens, bad_words.context)
+            for j, row in enumerate(request_rows):
+                banned = bad_words.banned(generated + drafts[:j])
+                row_index += [row] * len(banned)
+                token_index += banned
+        return banned_cells(row_index, token_index, device)
+
+    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        logits[state] = float("-inf")
+
+
+# ---- 5. token masks: allowed_token_ids, grammars ----------------------------------------------
 @dataclass
 class TokenMask:
     """The step's packed token masks: bitmask row r masks logits row r. Only the rows of
@@ -171,7 +246,8 @@ class AllowedTokensProcessor(LogitsProcessor):
 
 def default_processors() -> list[LogitsProcessor]:
     """The engine's processors, in the order they run."""
-    return [PenaltiesProcessor(), MinTokensProcessor(), AllowedTokensProcessor()]
+    return [LogitBiasProcessor(), PenaltiesProcessor(), MinTokensProcessor(), BadWordsProcessor(),
+            AllowedTokensProcessor()]
 
 
 _DRAFT_BLOCKING = [p for p in default_processors() if p.blocks_drafts]

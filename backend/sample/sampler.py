@@ -2,7 +2,7 @@
 ``SamplingMetadata`` (built once per step by ``prepare``):
 
 1. raw logprobs (the model's distribution, before any processing, as in vLLM), if asked;
-2. logits processors, in list order (penalties, min_tokens, token masks);
+2. logits processors, in list order (logit_bias, penalties, min_tokens, bad_words, token masks);
 3. greedy: the argmax of every row;
 4. random rows without a seed: temperature, top-k, top-p, min-p, one batched draw with the
    engine-wide generator;

@@ -32,6 +32,7 @@ from backend.model.cpu_linear_tuning import choose_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
 from backend.model.prefill_attention_choice import choose_prefill_attention
+from backend.sample.prompt_logprobs import PromptLogprobRows
 from backend.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_token_sizes
 from backend.worker import timing_cache
 from backend.worker.kv_cache_sizing import KVCacheLayout, blocks_from_budget
@@ -94,6 +95,7 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchitecture) -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchitecture) -> None:
         self.config = config
+        self.prompt_logprob_rows: list[PromptLogprobRows] = []   # the last prepared step's (prepare)
         self.arch = arch
         self.device = resolve_device(config)
         self.dtype, self.dtype_choice = resolve_dtype(config, self.device)
@@ -310,6 +312,7 @@ class ModelRunner:
                 host["logits_indices"][num_logits:num_logits + rows] = np.arange(token - rows, token)
                 num_logits += rows
                 sampling.append(request)
+        num_logits = self._prompt_logprob_rows(requests, num_scheduled, num_logits)
         lora = self._lora_batch(requests, token)
         if self.buffers is not self.host:
             self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs),
@@ -325,6 +328,27 @@ class ModelRunner:
             block_tables=buf.block_tables[:num_seqs], logits_indices=buf.logits_indices[:num_logits],
             max_query_len=max_query_len, max_seq_len=max_seq_len, lora=lora)
         return buf.input_ids[:token], meta, sampling
+
+    def _prompt_logprob_rows(self, requests: list[Request], num_scheduled: dict[str, int], num_logits: int) -> int:
+        """Logits rows after the sampling ones for the prompt positions this step computes of
+        requests that asked for prompt logprobs: position p predicts prompt token p + 1, so the
+        rows are positions [start, min(end, num_prompt_tokens - 1)) (the last prompt position is
+        the sampling row). ``self.prompt_logprob_rows`` says whose they are, in order. Returns the
+        logits row count."""
+        self.prompt_logprob_rows = []
+        host = self._host_np
+        for row, request in enumerate(requests):
+            if not request.wants_prompt_logprobs:
+                continue
+            start = request.num_computed_tokens
+            stop = min(start + num_scheduled[request.request_id], request.num_prompt_tokens - 1)
+            if stop <= start:
+                continue
+            token = host["query_start_loc"][row]
+            host["logits_indices"][num_logits:num_logits + stop - start] = np.arange(token, token + stop - start)
+            self.prompt_logprob_rows.append(PromptLogprobRows(request, start, stop - start))
+            num_logits += stop - start
+        return num_logits
 
     def _lora_batch(self, requests: list[Request], num_tokens: int) -> LoRABatch | None:
         """Each token row's adapter slot, written to the step buffers from the packed layout

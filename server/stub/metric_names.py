@@ -8,3 +8,7 @@ stub-side metrics (server/stub/metrics.py) import them without pulling in the la
 # The model's gauge: 1 while it takes new requests (server/stub/metrics.py sets it). HAProxy's
 # health check (server/cluster.py) and the readiness probe (server/ready.py) read it.
 READY_FAMILY = "llm_ready"
+
+# The model parameter (config.pbtxt `parameters`, or `--param` of server/launch.py) that Triton's
+# vLLM backend reads to export its vllm:* families; server/stub/metrics.py says how it is read.
+REPORT_CUSTOM_METRICS = "REPORT_CUSTOM_METRICS"

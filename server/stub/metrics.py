@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from backend.engine.stats import EngineStats
 from backend.engine.loop import LatencySample
@@ -68,10 +68,58 @@ VLLM_LORA_INFO = "vllm:lora_requests_info"
 LORA_LOAD_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 TRTLLM_REQUEST_FAMILY = "nv_trt_llm_request_metrics"
 
+# The families of Triton's vLLM backend (its src/utils/metrics.py), with its names, types,
+# descriptions, labels (model, version) and buckets, so that what reads them there (its metrics
+# CI test, dashboards) reads ours. Each is fed as vLLM V1 feeds it; docs/vllm_backend_compat.md
+# has how, and where ours differs.
+VLLM_COUNTERS = {  # name -> (description, EngineStats field)
+    # vLLM counts each request's whole prompt, prefix-cache hits included, at its first token.
+    "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "started_prompt_tokens_total"),
+    "vllm:generation_tokens_total": ("Number of generation tokens processed.", "generation_tokens_total"),
+}
+VLLM_SAMPLE_HISTOGRAMS = {  # LatencySample.kind -> (name, description, buckets)
+    "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+             [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]),
+    # Per decode iteration of a request, as vLLM's inter-token latency: not divided by the
+    # tokens an iteration emitted (speculative decoding emits several).
+    "itl": ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+            [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+            [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]),
+}
+VLLM_REQUEST_PROMPT_TOKENS = ("vllm:request_prompt_tokens", "Number of prefill tokens processed.")
+VLLM_REQUEST_GENERATION_TOKENS = ("vllm:request_generation_tokens", "Number of generation tokens processed.")
+VLLM_REQUEST_PARAMS_N = ("vllm:request_params_n", "Histogram of the n request parameter.")
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def report_custom_metrics(value: str | None) -> bool:
+    """The vLLM backend's rule for REPORT_CUSTOM_METRICS: on only when set to "true" (any case);
+    absent or anything else is off."""
+    return value is not None and value.lower() == "true"
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's build_1_2_5_buckets): the token-count
+    buckets of the vLLM families, up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
 
 class EngineMetrics:
-    def __init__(self, pb_utils: Any, model: str, version: str) -> None:
+    def __init__(self, pb_utils: Any, model: str, version: str, vllm_max_model_len: int | None = None,
+                 lora_enabled: Callable[[], bool] = lambda: False) -> None:
+        """``vllm_max_model_len``: export the vLLM backend's families too (REPORT_CUSTOM_METRICS
+        on), their token-count buckets up to this length; None leaves them out. ``lora_enabled``:
+        whether the model folder has LoRA adapters now (asked at each update: adapters can be
+        added while serving)."""
         self._pb = pb_utils
+        self._lora_enabled = lora_enabled
         self._labels = {"model": model, "version": version}
         self._lock = threading.Lock()           # the publisher and the sender thread both update
         self._published: EngineStats | None = None
@@ -80,11 +128,23 @@ class EngineMetrics:
         self._families: dict[str, Any] = {}
         self._gauges = {name: self._family(name, desc, "GAUGE").Metric(labels=self._labels)
                         for name, (desc, _) in GAUGES.items()}
-        self._counters = {name: self._family(name, desc, "COUNTER").Metric(labels=self._labels)
-                          for name, (desc, _) in COUNTERS.items()}
-        self._last: dict[str, float] = {name: 0 for name in COUNTERS}
-        self._histograms = {kind: self._family(name, desc, "HISTOGRAM").Metric(labels=self._labels, buckets=buckets)
-                            for kind, (name, desc, buckets) in HISTOGRAMS.items()}
+        vllm = vllm_max_model_len is not None
+        counters = {**COUNTERS, **(VLLM_COUNTERS if vllm else {})}
+        self._counters = {name: (self._family(name, desc, "COUNTER").Metric(labels=self._labels), field)
+                          for name, (desc, field) in counters.items()}
+        self._last: dict[str, float] = {name: 0 for name in counters}
+        # LatencySample.kind -> the histograms that observe it (ours, and vLLM's where it has one)
+        self._histograms: dict[str, list[Any]] = {kind: [self._histogram(name, desc, buckets)]
+                                                  for kind, (name, desc, buckets) in HISTOGRAMS.items()}
+        # Per finished request: vLLM's request_prompt_tokens, request_generation_tokens and request_params_n.
+        self._request_histograms: tuple[Any, Any, Any] | None = None
+        if vllm:
+            for kind, (name, desc, buckets) in VLLM_SAMPLE_HISTOGRAMS.items():
+                self._histograms[kind].append(self._histogram(name, desc, buckets))
+            token_buckets = buckets_1_2_5(vllm_max_model_len)
+            self._request_histograms = (self._histogram(*VLLM_REQUEST_PROMPT_TOKENS, token_buckets),
+                                        self._histogram(*VLLM_REQUEST_GENERATION_TOKENS, token_buckets),
+                                        self._histogram(*VLLM_REQUEST_PARAMS_N, VLLM_N_BUCKETS))
         self._finished_family = self._family("llm_request_finished_total", "Requests finished, by finish reason",
                                              "COUNTER")
         self._lora_families = {kind: self._family(f"llm_lora_requests_{kind}", f"Requests {kind}, per LoRA adapter",
@@ -110,6 +170,9 @@ class EngineMetrics:
         family = self._pb.MetricFamily
         self._families[name] = family(name=name, description=description, kind=getattr(family, kind))
         return self._families[name]
+
+    def _histogram(self, name: str, description: str, buckets: Sequence[float]) -> Any:
+        return self._family(name, description, "HISTOGRAM").Metric(labels=self._labels, buckets=buckets)
 
     def _readiness_gauges(self) -> None:
         if hasattr(self, "_ready"):
@@ -150,6 +213,19 @@ class EngineMetrics:
                 self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
             self._finished[reason].increment(1)
 
+    def observe_request(self, num_prompt_tokens: int, num_generation_tokens: Sequence[int]) -> None:
+        """A client request's final output, before it is sent: its prompt length and the tokens
+        each of its n completions generated. vLLM counts each completion as a request of its own
+        (prompt and generated tokens, like the e2e latency) and n once per client request."""
+        if self._request_histograms is None:
+            return
+        prompt, generation, n = self._request_histograms
+        with self._lock:
+            for tokens in num_generation_tokens:
+                prompt.observe(num_prompt_tokens)
+                generation.observe(tokens)
+            n.observe(len(num_generation_tokens))
+
     def update(self, stats: EngineStats, samples: deque[LatencySample], block_size: int,
                lora_loads: deque[float] | None = None) -> None:
         """Publish a statistics snapshot and the latency samples (and adapter load times)
@@ -167,7 +243,11 @@ class EngineMetrics:
     def _update_loras(self, stats: EngineStats) -> None:
         """Per-adapter request gauges, and vLLM's ``vllm:lora_requests_info`` (a gauge whose
         labels list the running and waiting adapters and whose value is the time it was set;
-        the Gateway API inference extension routes by it)."""
+        the Gateway API inference extension routes by it), exported, as vLLM does, only where
+        LoRA is on: the model folder has adapters (the vLLM backend's metrics CI counts no
+        ``vllm:`` line at all with its families switched off)."""
+        if not self._lora_enabled():
+            return
         for kind, counts in (("running", stats.lora_running), ("waiting", stats.lora_waiting)):
             gauges = self._lora_gauges[kind]
             for name in counts.keys() - gauges.keys():
@@ -193,10 +273,10 @@ class EngineMetrics:
         used = stats.kv_blocks_total - stats.kv_blocks_free
         for name, (_, field) in GAUGES.items():
             self._gauges[name].set(used if field is None else getattr(stats, field))
-        for name, (_, field) in COUNTERS.items():
+        for name, (counter, field) in self._counters.items():
             value = getattr(stats, field)
             if value > self._last[name]:
-                self._counters[name].increment(value - self._last[name])
+                counter.increment(value - self._last[name])
                 self._last[name] = value
         self._kv_block["used"].set(used)
         self._kv_block["free"].set(stats.kv_blocks_free)
@@ -208,4 +288,5 @@ class EngineMetrics:
         self._requests["active"].set(stats.num_waiting + stats.num_running)
         while samples:
             sample = samples.popleft()
-            self._histograms[sample.kind].observe(sample.value)
+            for histogram in self._histograms[sample.kind]:
+                histogram.observe(sample.value)

@@ -142,10 +142,12 @@ def finish_reason_text(finish_reason: str | None) -> str:
     return NOT_FINISHED if finish_reason is None else str(finish_reason)
 
 
-def logprobs_json(positions: list[dict[int, Logprob]] | None) -> str:
-    """The vLLM backend's ``logprobs`` output for some positions (``None``: not asked for)."""
+def logprobs_json(positions: list[dict[int, Logprob] | None] | None) -> str:
+    """The vLLM backend's ``logprobs`` output for some positions (``None``: not asked for); also
+    ``prompt_logprobs``, whose first position, which nothing predicts, is null (as vLLM's)."""
     if positions is None:
         return NULL_LOGPROBS
-    return json.dumps([{str(token): {"logprob": entry.logprob, "rank": entry.rank,
+    return json.dumps([None if position is None else
+                       {str(token): {"logprob": entry.logprob, "rank": entry.rank,
                                      "decoded_token": entry.decoded_token}
                         for token, entry in position.items()} for position in positions])

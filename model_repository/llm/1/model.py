@@ -42,7 +42,8 @@ from backend import (EngineConfig, EngineUnhealthyError, InvalidRequestError, Qu
 from backend.engine.loop import EngineLoop, build_engine
 from backend.engine.parallel_sampling import ParallelOutput
 from server.stub import vllm_protocol
-from server.stub.metrics import EngineMetrics
+from server.stub.metric_names import REPORT_CUSTOM_METRICS
+from server.stub.metrics import EngineMetrics, report_custom_metrics
 
 # What a stream receives: one request's output, all n completions' outputs (n > 1), or the
 # error that ends it.
@@ -73,6 +74,7 @@ class _Stream:
     prompt_text: str
     num_prompt_tokens: int
     logprobs_asked: bool = False   # the client's sampling parameters asked for logprobs
+    prompt_logprobs_sent: bool = False   # sent once, on the first response that has them
     cancelled: bool = False
     # Triton deletes a sender's response factory once the FINAL flag is sent; calling
     # is_cancelled() on it after that (or while it happens) crashes tritonserver (SIGSEGV in
@@ -102,6 +104,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("the llm model must use the decoupled transaction policy")
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        # The vLLM backend's switch for its vllm:* metric families: a model parameter, not an engine one.
+        report_vllm_metrics = report_custom_metrics(params.pop(REPORT_CUSTOM_METRICS, None))
         config = EngineConfig.from_dict(params)
         if not Path(config.model).is_absolute():
             config.model = str(PROJECT_ROOT / config.model)
@@ -116,7 +120,9 @@ class TritonPythonModel:
                   f"({self.engine.cost_model.describe()}; calibration {self.engine.cost_model_origin})", file=sys.stderr,
                   flush=True)
         self.model_name, self.model_version = args["model_name"], args["model_version"]
-        self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version)
+        self.metrics = EngineMetrics(pb_utils, model=self.model_name, version=self.model_version,
+                                     vllm_max_model_len=self.loop.validator.max_model_len if report_vllm_metrics
+                                     else None, lora_enabled=self.engine.loras.path.exists)
         # The launcher's supervisor restarts the server when the stub dies and says how often.
         self.metrics.count_server_restarts(int(os.environ.get("LLM_SERVER_RESTARTS", "0")))
         self.metrics.set_draining(False)
@@ -216,7 +222,7 @@ class TritonPythonModel:
             stream.mark_done()   # no cancellation check on this sender from now on
             # A client that scrapes /metrics as soon as its request ended finds it counted
             # (the loop's statistics include the step that ended it before it is delivered).
-            self._publish_metrics()
+            self._publish_metrics(finished=result)
             try:
                 self._send_response(stream, result)
             finally:   # out of the live streams only once sent (the drain waits for it)
@@ -290,6 +296,12 @@ class TritonPythonModel:
             tensors.append(_string_tensor("logprobs", [vllm_protocol.logprobs_json(positions if stream.logprobs_asked
                                                                                    else None)
                                                        for positions in logprobs]))
+        prompt_logprobs = next((c.prompt_logprobs for c in completions if c.prompt_logprobs is not None), None)
+        if prompt_logprobs is not None and not stream.prompt_logprobs_sent:
+            # Once per request (the prompt is the completions' common one): a long prompt's
+            # positions on every streamed token would cost O(prompt) per token.
+            tensors.append(_string_tensor("prompt_logprobs", [vllm_protocol.logprobs_json(prompt_logprobs)]))
+            stream.prompt_logprobs_sent = True
         return tensors
 
     @staticmethod
@@ -323,12 +335,16 @@ class TritonPythonModel:
         while not self._stop.wait(POLL_INTERVAL_S):
             self._publish_metrics()
 
-    def _publish_metrics(self) -> None:
+    def _publish_metrics(self, finished: Result | None = None) -> None:
         """Push the loop's latest statistics (EngineMetrics.update skips a snapshot it has
-        already published, so calling this often is cheap)."""
+        already published, so calling this often is cheap), and the request that ``finished``."""
         try:
             self.metrics.update(self.loop.stats, self.loop.latency_samples, self.engine.config.block_size,
                                 self.engine.loras.load_seconds)
+            if finished is not None and not isinstance(finished, BaseException):
+                completions = _completions(finished)
+                self.metrics.observe_request(completions[0].num_prompt_tokens,
+                                             [c.num_output_tokens for c in completions])
         except Exception:  # noqa: BLE001 - metrics must never take the server down
             logger.exception("metrics update failed")
 

@@ -1,0 +1,50 @@
+"""prompt_logprobs through the real tritonserver: the ``prompt_logprobs`` output, once per
+request (streamed or not), equal to transformers' float32 log_softmax of the prompt within 1e-4;
+out-of-range values are INVALID_ARG naming the field while other streams go on."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from server.launch import TritonServer
+from tests.grpc_requests import stream_request, vllm_inputs
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention stores keys"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_output(server: TritonServer, hf_model, tokenizer, stream: bool) -> None:
+    sampling = {"max_tokens": 6, "temperature": 0, "prompt_logprobs": 2}
+    responses = stream_request(server, vllm_inputs(PROMPT, stream, sampling))
+    assert all(error is None for _, error in responses), responses
+    sent = [r.as_numpy("prompt_logprobs") for r, _ in responses if r.as_numpy("prompt_logprobs") is not None]
+    assert len(sent) == 1, "once per request"
+    positions = json.loads(sent[0][0])
+    ids = tokenizer(PROMPT).input_ids
+    assert len(positions) == len(ids) and positions[0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i in range(1, len(ids)):
+        entry = positions[i][str(ids[i])]
+        assert abs(entry["logprob"] - expected[i - 1, ids[i]].item()) < 1e-4, i
+        assert entry["decoded_token"] == tokenizer.decode([ids[i]])
+        assert 2 <= len(positions[i]) <= 3   # the top 2, and the prompt token when not among them
+
+
+def test_out_of_range_is_invalid_arg(server: TritonServer) -> None:
+    """INVALID_ARG (HTTP 400) naming the field; the gRPC stream gets the same message."""
+    responses = stream_request(server, vllm_inputs(PROMPT, True, {"max_tokens": 2, "prompt_logprobs": 21}))
+    errors = [error for _, error in responses if error is not None]
+    assert len(errors) == 1 and "prompt_logprobs" in str(errors[0])
+    body = {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 2, "prompt_logprobs": -1})}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400 and "prompt_logprobs" in json.loads(info.value.read())["error"]
