@@ -14,7 +14,8 @@ machines are shared; the best round counts), and their outputs are compared.
   distinct caches visited in turn (as a decode step's layers are: the cache streams from DRAM
   instead of sitting in L3), blocks shuffled or consecutive. Figure of merit: K+V bytes read
   per second.
-- prefill: one fresh ``--prompt``-token prompt. Figure of merit: causal attention GFLOP/s.
+- prefill: a ``--prompt``-token chunk after ``--depth`` cached tokens (default 0: a fresh
+  prompt). Figure of merit: causal attention GFLOP/s.
   ``--sdpa`` also times torch's ``F.scaled_dot_product_attention`` (causal, GQA) on the same
   prompt with K and V contiguous, as a fresh prompt's are before they reach the cache: whether
   torch's CPU flash attention (oneDNN's kernels, AMX where the CPU has it) would serve prompts
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--layers", type=int, default=30, help="distinct decode caches, visited in turn")
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=0, help="prefill: tokens already in the cache before the "
+                                                              "--prompt-token chunk (--sdpa only at depth 0)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--block-order", choices=("shuffled", "consecutive"), default="shuffled")
@@ -157,27 +160,28 @@ def main(argv: list[str] | None = None) -> None:
               f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best[other] / 1e9:.1f} GB/s | "
               f"{best[other] / best['engine']:.2f}x | {diff:.1e} |")
 
-        # prefill: one fresh prompt
-        key_cache, value_cache, tables = paged_cache([args.prompt], args.kv_heads, args.head_dim, args.block_size,
+        # prefill: a chunk of --prompt tokens after --depth cached ones (0: a fresh prompt)
+        total = args.depth + args.prompt
+        key_cache, value_cache, tables = paged_cache([total], args.kv_heads, args.head_dim, args.block_size,
                                                      dtype, generator)
         query = torch.randn(args.prompt, args.heads, args.head_dim, generator=generator).to(dtype)
-        starts, query_lens, seq_lens = torch.tensor([0]), torch.tensor([args.prompt]), torch.tensor([args.prompt])
+        starts, query_lens, seq_lens = torch.tensor([0]), torch.tensor([args.prompt]), torch.tensor([total])
         outs = {name: torch.empty_like(query) for name in libraries}
 
         def prefill(name: str) -> Callable[[], None]:
             return lambda: cpu_native.paged_prefill_attention(query, outs[name], starts, query_lens, seq_lens, tables,
                                                               key_cache, value_cache, scale, library=libraries[name])
         runs = {name: prefill(name) for name in libraries}
-        if args.sdpa:
+        if args.sdpa and args.depth == 0:
             runs["sdpa"] = sdpa_prefill(query, key_cache, value_cache, tables[0], args.block_size, scale, outs)
         best = best_of(args.rounds, runs)
-        flops = 2 * 2 * args.heads * args.head_dim * args.prompt * (args.prompt + 1) / 2
+        flops = 2 * 2 * args.heads * args.head_dim * (args.prompt * args.depth + args.prompt * (args.prompt + 1) / 2)
         for name in runs:
             if name == "engine":
                 continue
             diff = (outs["engine"].float() - outs[name].float()).abs().max().item()
             function = path if name != "sdpa" else "torch SDPA (contiguous K, V)"
-            print(f"| {dtype} | prefill {args.prompt} tokens | {function} | {best['engine'] * 1e3:.2f} | "
+            print(f"| {dtype} | prefill {args.prompt} tokens at depth {args.depth} | {function} | {best['engine'] * 1e3:.2f} | "
                   f"{best[name] * 1e3:.2f} ({name}) | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
                   f"{flops / best[name] / 1e9:.0f} GFLOP/s | {best[name] / best['engine']:.2f}x | {diff:.1e} |")
 

@@ -166,9 +166,9 @@ def compile_layer_ops(dtype_name: str) -> list[str]:
 
 def compile_moe(dtype_name: str) -> list[str]:
     """The grouped expert matmul (kernels/triton_moe.py): gate|up and down (route-weighted, float32
-    out) of a Qwen3-30B-A3B layer (hidden 2048, 128 experts of 768, top-8) and of Mixtral 8x7B's
-    (hidden 4096, 8 experts of 14336, top-2), in decode (blocks of 16) and prefill (blocks of 64)
-    steps."""
+    out) of a Qwen3-30B-A3B layer (hidden 2048, 128 experts of 768, top-8), in decode (blocks of
+    16) and prefill (blocks of 64) steps. (Mixtral 8x7B's layer compiled too when this was written;
+    the shapes change only runtime arguments, so one layer keeps the suite's time.)"""
     import torch
 
     from kernels.triton_moe import ExpertAlignment, block_m_for, grouped_matmul_launch
@@ -176,7 +176,7 @@ def compile_moe(dtype_name: str) -> list[str]:
     dtype = getattr(torch, dtype_name)
     meta = torch.device("meta")
     done = []
-    for hidden, experts, inter, top_k in ((2048, 128, 768, 8), (4096, 8, 14336, 2)):
+    for hidden, experts, inter, top_k in ((2048, 128, 768, 8),):
         gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=meta)
         down = torch.empty(experts, hidden, inter, dtype=dtype, device=meta)
         for rows in (64, 512):
@@ -226,7 +226,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path: Path) -> None:
     # (8 norms + the rope of each layout + 2 SiLUs) x (bf16 on two targets, fp16, fp32)
     assert len(layer_ops) == (8 + len(LAYOUTS) + 2) * (2 + 1 + 1), layer_ops
     moe = [line for line in compiled if line.startswith("_grouped_matmul")]
-    assert len(moe) == 2 * 2 * 2 * (2 + 1), moe   # 2 layers x 2 steps x 2 matmuls x (bf16 on two targets, fp32)
+    assert len(moe) == 2 * 2 * (2 + 1), moe   # 2 steps x 2 matmuls x (bf16 on two targets, fp32)
 
 
 if __name__ == "__main__":

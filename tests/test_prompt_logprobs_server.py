@@ -48,3 +48,25 @@ def test_out_of_range_is_invalid_arg(server: TritonServer) -> None:
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 400 and "prompt_logprobs" in json.loads(info.value.read())["error"]
+
+
+def test_after_a_prefix_cache_hit_every_position_is_computed(server: TritonServer, tokenizer) -> None:
+    """The prompt's blocks are cached by a first request; the one asking for prompt logprobs reads
+    none of them (num_cached_tokens 0) and gets every position, equal to a cold computation."""
+    prompt = PROMPT + " and values in blocks of sixteen tokens, shared between requests by hash."
+    flags = {"return_num_cached_tokens": True}
+    cold = stream_request(server, vllm_inputs(prompt, False, {"max_tokens": 2, "prompt_logprobs": 1}, **flags))
+    warm = stream_request(server, vllm_inputs(prompt, False, {"max_tokens": 2}, **flags))
+    assert int(warm[-1][0].as_numpy("num_cached_tokens")[0]) > 0, "the cache did not hold the prompt"
+    hit = stream_request(server, vllm_inputs(prompt, False, {"max_tokens": 2, "prompt_logprobs": 1}, **flags))
+    assert int(hit[-1][0].as_numpy("num_cached_tokens")[0]) == 0
+
+    def positions(responses) -> list:
+        return json.loads(next(r.as_numpy("prompt_logprobs")[0] for r, _ in responses
+                               if r.as_numpy("prompt_logprobs") is not None))
+
+    first, again = positions(cold), positions(hit)
+    assert len(again) == len(tokenizer(prompt).input_ids) and again[0] is None
+    for a, b in zip(first[1:], again[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)
