@@ -1,6 +1,7 @@
-"""prompt_logprobs through the real tritonserver: the ``prompt_logprobs`` output, once per
-request (streamed or not), equal to transformers' float32 log_softmax of the prompt within 1e-4;
-out-of-range values are INVALID_ARG naming the field while other streams go on."""
+"""prompt_logprobs through the real tritonserver (float32): the ``prompt_logprobs`` output, once
+per request (streamed or not), equal to transformers' log_softmax of the prompt within 1e-4 at
+every position, after a prefix-cache hit and over a prompt prefilled in chunks; out-of-range
+values are INVALID_ARG naming the field."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
 from server.launch import TritonServer
-from tests.grpc_requests import stream_request, vllm_inputs
+from tests.grpc_requests import stream_request, tensor, vllm_inputs
 
 pytestmark = pytest.mark.server
 
@@ -70,3 +72,22 @@ def test_after_a_prefix_cache_hit_every_position_is_computed(server: TritonServe
     for a, b in zip(first[1:], again[1:]):
         assert a.keys() == b.keys()
         assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)
+
+
+def test_a_prompt_prefilled_in_chunks(server: TritonServer, hf_model, prose_ids: list[int]) -> None:
+    """A prompt longer than the step's token budget (512 by default) is prefilled in chunks; every
+    position still gets its logprob, equal to transformers' within 1e-4."""
+    ids = prose_ids[:700]
+    inputs = [tensor("input_ids", np.array(ids, dtype=np.int32), "INT32"),
+              tensor("stream", np.array([False]), "BOOL"),
+              tensor("sampling_parameters", np.array([json.dumps({"max_tokens": 1, "prompt_logprobs": 0}).encode()],
+                                                     dtype=np.object_), "BYTES")]
+    responses = stream_request(server, inputs)
+    assert all(error is None for _, error in responses), responses
+    positions = json.loads(next(r.as_numpy("prompt_logprobs")[0] for r, _ in responses
+                                if r.as_numpy("prompt_logprobs") is not None))
+    assert len(positions) == len(ids) and positions[0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    worst = max(abs(positions[i][str(ids[i])]["logprob"] - expected[i - 1, ids[i]].item()) for i in range(1, len(ids)))
+    assert worst < 1e-4, worst
