@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 
 class FinishReason(enum.StrEnum):
@@ -21,6 +21,15 @@ class Logprob:
     logprob: float          # of the model's raw distribution (before penalties and temperature)
     rank: int               # 1 = the most likely token at that position
     decoded_token: str = ""  # the token's text on its own
+
+
+def logprob_entry(token: int, logprob: float, rank: int, top_ids: Sequence[int] = (),
+                  top_logprobs: Sequence[float] = ()) -> dict[int, Logprob]:
+    """One position's logprobs in vLLM's form: the top-n (``top_ids`` with ``top_logprobs``,
+    ranked 1..n), then ``token`` (the sampled or prompt token) with its own rank."""
+    entry = {t: Logprob(value, r) for r, (t, value) in enumerate(zip(top_ids, top_logprobs), 1)}
+    entry[token] = Logprob(logprob, rank)
+    return entry
 
 
 @dataclass

@@ -108,13 +108,8 @@ class BlockPool:
         """Register the request's blocks ``start``..``end - 1`` (full ones) under its block
         hashes. Those new in the cache are reported as stored (blocks a prefix hit brought, or
         that another block already holds, are not news)."""
-        hashes = request.block_hashes
-        if self.events is None:
-            for i in range(start, end):
-                self.cache_block(blocks[i], hashes[i])
-            return
-        stored = [i for i in range(start, end) if self.cache_block(blocks[i], hashes[i])]
-        if stored:
+        stored = [i for i in range(start, end) if self.cache_block(blocks[i], request.block_hashes[i])]
+        if stored and self.events is not None:
             self.events.blocks_stored(request, stored)
 
     def uncache(self, block: KVBlock) -> None:

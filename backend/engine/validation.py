@@ -64,12 +64,11 @@ class RequestValidator:
                                                     f"the whole cache has {self.num_kv_blocks}")
         if params.min_tokens > max_tokens:
             raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
-        if params.allowed_token_ids is not None and any(t >= self.vocab_size for t in params.allowed_token_ids):
-            raise InvalidRequestError("allowed_token_ids", f"token ids must be in [0, {self.vocab_size})")
-        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
-            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {self.vocab_size})")
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("logit_bias", params.logit_bias or {})):     # a bias's keys are its ids
+            if any(t >= self.vocab_size for t in token_ids):
+                raise InvalidRequestError(name, f"token ids must be in [0, {self.vocab_size})")
         bad_words = self.bad_words(params)
         if params.grammar_spec is not None:   # parse only (no vocabulary): compiling is the engine's
             check_grammar(params.grammar_spec)

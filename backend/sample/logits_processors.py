@@ -131,8 +131,24 @@ class PenaltiesProcessor(LogitsProcessor):
                 row -= entry.frequency * counts + entry.presence * (counts > 0).to(row.dtype)
 
 
+class TokenBanProcessor(LogitsProcessor):
+    """A processor whose state is the (row, token) cells it sets to -inf (``banned_cells``)."""
+
+    @staticmethod
+    def banned_cells(row_index: list[int], token_index: list[int], device: torch.device,
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, tokens) index tensors of the logits to ban, or None for none."""
+        if not row_index:
+            return None
+        return (torch.tensor(row_index, dtype=torch.int64, device=device),
+                torch.tensor(token_index, dtype=torch.int64, device=device))
+
+    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        logits[state] = float("-inf")
+
+
 # ---- 3. min_tokens: stop-id suppression ---------------------------------------------------------
-class MinTokensProcessor(LogitsProcessor):
+class MinTokensProcessor(TokenBanProcessor):
     """Until a request has ``min_tokens`` output tokens, its EOS ids (unless ``ignore_eos``)
     and its ``stop_token_ids`` cannot be sampled. Not for a request whose constraint decides
     where it ends (a grammar): banning the EOS that a complete grammar needs would leave it
@@ -155,23 +171,11 @@ class MinTokensProcessor(LogitsProcessor):
             banned_ids = sorted(t for t in banned if t < vocab_size)
             row_index += [request_rows[0]] * len(banned_ids)
             token_index += banned_ids
-        return banned_cells(row_index, token_index, device)
-
-    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        logits[state] = float("-inf")
-
-
-def banned_cells(row_index: list[int], token_index: list[int], device: torch.device,
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, tokens) index tensors of the logits a processor sets to -inf, or None for none."""
-    if not row_index:
-        return None
-    return (torch.tensor(row_index, dtype=torch.int64, device=device),
-            torch.tensor(token_index, dtype=torch.int64, device=device))
+        return self.banned_cells(row_index, token_index, device)
 
 
 # ---- 4. bad_words --------------------------------------------------------------------------------
-class BadWordsProcessor(LogitsProcessor):
+class BadWordsProcessor(TokenBanProcessor):
     """vLLM's ``bad_words`` (backend/sample/bad_words.py): in each row, the last token of every
     banned sequence whose other tokens end the row's history becomes -inf. A row's history is
     the request's generated tokens followed, for draft row j, by drafts 0..j-1: the row is
@@ -195,10 +199,7 @@ class BadWordsProcessor(LogitsProcessor):
                 banned = bad_words.banned(generated + drafts[:j])
                 row_index += [row] * len(banned)
                 token_index += banned
-        return banned_cells(row_index, token_index, device)
-
-    def apply(self, logits: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        logits[state] = float("-inf")
+        return self.banned_cells(row_index, token_index, device)
 
 
 # ---- 5. token masks: allowed_token_ids, grammars ----------------------------------------------

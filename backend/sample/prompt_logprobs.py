@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.core.request import Request
-from backend.outputs import Logprob
+from backend.outputs import logprob_entry
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,8 @@ def fill_prompt_logprobs(logits: torch.Tensor, rows: list[PromptLogprobRows]) ->
                                device=block.device)
         chosen = block.gather(1, targets[:, None])
         ranks = (block > chosen).sum(dim=1) + 1
-        top_values, top_ids = block.topk(n, dim=-1) if n else (None, None)
+        top_values, top_ids = block.topk(n, dim=-1) if n else (block[:, :0], block[:, :0])   # n = 0: empty rows
         chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
-        top = (top_values.tolist(), top_ids.tolist()) if n else None
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
         for i, token in enumerate(targets.tolist()):
-            entry: dict[int, Logprob] = {}
-            if top is not None:
-                entry.update((t, Logprob(v, rank)) for rank, (t, v) in enumerate(zip(top[1][i], top[0][i]), 1))
-            entry[token] = Logprob(chosen[i], ranks[i])
-            request.prompt_logprobs[first + i] = entry
+            request.prompt_logprobs[first + i] = logprob_entry(token, chosen[i], ranks[i], top_ids[i], top_values[i])

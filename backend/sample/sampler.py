@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.core.request import Request
-from backend.outputs import Logprob
+from backend.outputs import Logprob, logprob_entry
 from backend.sample.logits_processors import LogitsProcessor, default_processors
 from backend.sample.metadata import RowFilter, SamplingBatch, SamplingMetadata
 from backend.sample.speculative import accept
@@ -115,13 +115,10 @@ class Sampler:
                 if n is None:
                     continue
                 token, row_logprobs = token_ids[i][0], raw_logprobs[batch.rows[i][0]]
-                entry: dict[int, Logprob] = {}
-                if n > 0:
-                    values, ids = row_logprobs.topk(n)
-                    entry.update((t, Logprob(v, rank)) for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), 1))
+                values, ids = row_logprobs.topk(n) if n > 0 else (row_logprobs[:0], row_logprobs[:0])
                 value = row_logprobs[token]
-                entry[token] = Logprob(float(value), 1 + int((row_logprobs > value).sum()))
-                logprobs[i] = entry
+                logprobs[i] = logprob_entry(token, float(value), 1 + int((row_logprobs > value).sum()),
+                                            ids.tolist(), values.tolist())
         return SamplerOutput(token_ids, logprobs)
 
 
