@@ -100,6 +100,15 @@ class TorchAttentionPlan:
 PrefillArrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def prefill_arrays(starts: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   seqs: torch.Tensor) -> PrefillArrays:
+    """The C prefill kernel's arguments for sequences ``seqs`` of a step (``starts``: its
+    query_start_loc, int64 on the host)."""
+    query_lens = starts[1:] - starts[:-1]
+    return (starts[seqs], query_lens[seqs], seq_lens[seqs],
+            block_tables.index_select(0, seqs).to("cpu", torch.int32).contiguous())
+
+
 @dataclass
 class CpuAttentionPlan:
     """One step's attention indices, shared by every layer: what the C kernels read, built
@@ -140,10 +149,8 @@ class CpuAttentionPlan:
         SDPA cannot serve (``paged_attention_cpu`` says why). Built on first use."""
         if not self.sdpa_spans:
             return self.native_prefills
-        query_lens = self.starts[1:] - self.starts[:-1]
-        seqs = (query_lens > 1).nonzero().squeeze(1)
-        return (self.starts[seqs], query_lens[seqs], self.seq_lens[seqs],
-                self.block_tables.index_select(0, seqs).to("cpu", torch.int32).contiguous())
+        seqs = (self.starts[1:] - self.starts[:-1] > 1).nonzero().squeeze(1)
+        return prefill_arrays(self.starts, self.seq_lens, self.block_tables, seqs)
 
 
 def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -170,9 +177,8 @@ def plan_attention_cpu(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
                            for seq in prefill_seqs[to_sdpa].tolist())
         prefill_seqs = prefill_seqs[~to_sdpa]
     if prefill_seqs.numel():
-        prefill_starts, prefill_query_lens = starts[prefill_seqs], query_lens[prefill_seqs]
-        prefill_seq_lens = lens[prefill_seqs]
-        prefill_tables = block_tables.index_select(0, prefill_seqs).to("cpu", torch.int32).contiguous()
+        prefill_starts, prefill_query_lens, prefill_seq_lens, prefill_tables = prefill_arrays(
+            starts, lens, block_tables, prefill_seqs)
     return CpuAttentionPlan(decode_rows, decode_lens, decode_tables, prefill_starts, prefill_query_lens,
                             prefill_seq_lens, prefill_tables, starts, lens, block_tables, slot_mapping, block_size,
                             sdpa_spans)
