@@ -11,8 +11,8 @@ prompt-attention choice (``honours_sdpa_choice``).
   against. It loops over sequences on the host, so no CUDA graph can hold it.
 - ``cpu``: the batched CPU path (kernels/cpu_attention.py): the C kernels, or torch's SDPA for
   long prompts where the start-up chose it. Its per-step plan syncs with the host. The C
-  kernels take sliding windows and attention sinks (gpt-oss); layers with either keep their
-  prompts off SDPA.
+  kernels take sliding windows, attention sinks (gpt-oss) and score soft-capping (Gemma 2);
+  layers with any of them keep their prompts off SDPA.
 - ``triton``: the Triton kernels (kernels/triton_attention.py), on CUDA or, for tests, in
   Triton's interpreter (``TRITON_INTERPRET=1``). Imported on first use, so CPU serving never
   pays for importing triton.
@@ -113,11 +113,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
                scale: float, plan: AttentionPlan | None = None, window: int | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Causal attention of the packed queries ``[num_tokens, num_heads, head_dim]`` over the
         paged cache, within a sliding ``window`` of keys where given, with one softmax sink
-        logit per query head where ``sinks`` (``[num_heads]``) is given
-        (``paged_attention_reference``'s contract)."""
+        logit per query head where ``sinks`` (``[num_heads]``) is given, each score soft-capped
+        at ``softcap`` where given (``paged_attention_reference``'s contract)."""
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The fused layer ops (residual add + RMSNorm, RoPE + K/V write, SiLU x up) that go with
@@ -137,9 +137,9 @@ class ReferenceAttention(AttentionBackend):
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
                scale: float, plan: AttentionPlan | None = None, window: int | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         return paged_attention_reference(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                                         step.block_tables, scale, window, sinks)
+                                         step.block_tables, scale, window, sinks, softcap)
 
 
 class CpuAttention(AttentionBackend):
@@ -160,12 +160,13 @@ class CpuAttention(AttentionBackend):
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
                scale: float, plan: AttentionPlan | None = None, window: int | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         if plan is None:
             # Attention alone writes nothing: the slots only matter to write_kv.
             plan = plan_attention_cpu(step.query_start_loc, step.seq_lens, step.block_tables,
                                       torch.zeros(query.shape[0], dtype=torch.int64), key_cache.shape[1])
-        return paged_attention_cpu(query, key_cache, value_cache, scale, plan, window=window, sinks=sinks)
+        return paged_attention_cpu(query, key_cache, value_cache, scale, plan, window=window, sinks=sinks,
+                                   softcap=softcap)
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The C layer ops (kernels/csrc/layer_ops.c), for float32 or bfloat16 on the CPU, where
@@ -192,10 +193,10 @@ class TritonAttention(AttentionBackend):
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: StepLayout,
                scale: float, plan: AttentionPlan | None = None, window: int | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         return _triton_attention().paged_attention(query, key_cache, value_cache, step.query_start_loc, step.seq_lens,
                                                    step.block_tables, scale, step.max_query_len, step.max_seq_len,
-                                                   window=window, sinks=sinks)
+                                                   window=window, sinks=sinks, softcap=softcap)
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> ModuleType | None:
         """The Triton layer ops (kernels/triton_layer_ops.py), imported on first use as the

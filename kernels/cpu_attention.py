@@ -28,10 +28,11 @@ layer reuses them:
   its gathered context with a mask. Without AVX-512 ours ran well ahead of SDPA
   (docs/benchmarks.md, "Prompt attention: ours against torch's SDPA"), so there it is never
   chosen.
-- Sliding windows and attention sinks (``window``, ``sinks``: the reference's meanings) go to
-  the C kernels, which start each query's keys at its window and add the sinks. A layer with
-  either sends its SDPA prefills to the C prefill kernel too (``CpuAttentionPlan.every_prefill``),
-  and where the C kernels do not apply (torch's path) it goes through the reference.
+- Sliding windows, attention sinks and logit soft-capping (``window``, ``sinks``, ``softcap``:
+  the reference's meanings) go to the C kernels, which start each query's keys at its window,
+  add the sinks and cap the scores. A layer with any of them sends its SDPA prefills to the C
+  prefill kernel too (``CpuAttentionPlan.every_prefill``), and where the C kernels do not apply
+  (torch's path) it goes through the reference.
 
 Scores and softmax are float32 whatever the cache dtype, as in the reference.
 """
@@ -239,40 +240,44 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int, length: int,
 
 def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         scale: float, plan: CpuAttentionPlan, native: bool | None = None, window: int | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``paged_attention_reference`` (``window``, ``sinks`` included), driven by
-    a precomputed plan. ``native``: decode rows through the C kernel (None: when it applies and
-    is available)."""
+                        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Same contract as ``paged_attention_reference`` (``window``, ``sinks``, ``softcap``
+    included; a ``softcap`` of 0 is None, off, as in config.json), driven by a precomputed plan.
+    ``native``: decode rows through the C kernel (None: when it applies and is available)."""
     if native is None:
         native = (key_cache.dtype == query.dtype and query.dtype in cpu_native.DECODE_ATTENTION_DTYPES
                   and cpu_native.load() is not None)
-    window_or_sinks = window is not None or sinks is not None
-    if window_or_sinks and not native:
+    softcap = softcap or None
+    # Layers torch's attention cannot serve: see below.
+    restricted = window is not None or sinks is not None or softcap is not None
+    if restricted and not native:
         # torch's path gathers every key of a sequence (the blocks before a window may have been
-        # released: their slots hold anything) and has no sinks; it only serves what the C
-        # kernels cannot (float16, mixed dtypes, no compiler), and the reference does it right.
+        # released: their slots hold anything) and has no sinks and no soft cap; it only serves
+        # what the C kernels cannot (float16, mixed dtypes, no compiler), and the reference does
+        # it right.
         return paged_attention_reference(query, key_cache, value_cache, plan.starts, plan.seq_lens,
-                                         plan.block_tables, scale, window, sinks)
+                                         plan.block_tables, scale, window, sinks, softcap)
     out = torch.empty_like(query)
     c_window = 0 if window is None else window
     c_sinks = None if sinks is None else sinks.float().contiguous()
+    c_softcap = 0.0 if softcap is None else float(softcap)
     if plan.decode_rows is not None:
         if native:
             query = query.contiguous()
             cpu_native.paged_decode_attention(query, out, plan.decode_rows, plan.decode_seq_lens,
                                               plan.decode_tables, key_cache, value_cache, scale,
-                                              window=c_window, sinks=c_sinks)
+                                              window=c_window, sinks=c_sinks, softcap=c_softcap)
         else:
             _decode_attention_torch(query, key_cache, value_cache, scale, plan, out)
     if native:
-        # SDPA takes no sinks, and a window as a mask would still gather (and weigh by zero) the
-        # keys before it, whose released blocks may hold NaN: a layer with either attends the
-        # plan's SDPA prefills in the C kernel with the rest.
-        prefills = plan.every_prefill if window_or_sinks else plan.native_prefills
+        # SDPA takes no sinks and no soft cap, and a window as a mask would still gather (and weigh
+        # by zero) the keys before it, whose released blocks may hold NaN: a layer with any of
+        # them attends the plan's SDPA prefills in the C kernel with the rest.
+        prefills = plan.every_prefill if restricted else plan.native_prefills
         if prefills is not None:
             cpu_native.paged_prefill_attention(query.contiguous(), out, *prefills, key_cache, value_cache, scale,
-                                               window=c_window, sinks=c_sinks)
-        if not window_or_sinks:
+                                               window=c_window, sinks=c_sinks, softcap=c_softcap)
+        if not restricted:
             sdpa_prefill_attention(query, key_cache, value_cache, scale, plan, out)
         return out
     # torch's path attends every prefill, sdpa_spans included (torch_plan lists them all), in

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -152,13 +153,17 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "moe_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _INT]),
         "decode_attention_bf16_vector_width": (_INT, []),
         "decode_attention_bf16_dot_product": (_INT, []),
+        "attention_soft_cap": (None, [_P, _I64, _F]),     # the scores' soft cap alone, for tests
     }
     for suffix in LAYER_OPS_SUFFIXES.values():
-        # ... scale, window, sinks (float32 [num_heads] or NULL), num_threads
-        signatures["paged_decode_attention" + suffix] = (
-            _INT, [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _INT])
-        signatures["paged_prefill_attention" + suffix] = (
-            _INT, [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _INT])
+        # ... scale, window, sinks (float32 [num_heads] or NULL), num_threads; the _softcap ones
+        # take the soft cap (float, 0: off) before num_threads
+        decode = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P]
+        prefill = [_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P]
+        signatures["paged_decode_attention" + suffix] = (_INT, decode + [_INT])
+        signatures["paged_prefill_attention" + suffix] = (_INT, prefill + [_INT])
+        signatures["paged_decode_attention_softcap" + suffix] = (_INT, decode + [_F, _INT])
+        signatures["paged_prefill_attention_softcap" + suffix] = (_INT, prefill + [_F, _INT])
         signatures["add_rms_norm" + suffix] = (None, [_P, _P, _P, _P, _I64, _I64, _F])
         signatures["rope_and_cache" + suffix] = (None, [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64])
         signatures["silu_and_mul" + suffix] = (None, [_P, _I64, _I64, _I64, _INT])
@@ -300,25 +305,41 @@ DECODE_ATTENTION_DTYPES = {torch.float32: "paged_decode_attention_f32", torch.bf
 def paged_decode_attention(query: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            scale: float, library: ctypes.CDLL | None = None, *, window: int = 0,
-                           sinks: torch.Tensor | None = None) -> None:
+                           sinks: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """Decode rows ``rows`` of ``query`` attend over their sequences' pages; results go to the
     same rows of ``out``. Contiguous tensors: query, out and caches all float32 or all
     bfloat16 (``DECODE_ATTENTION_DTYPES``); rows / seq_lens int64, tables int32.
     ``window``: keys each query sees (0: all), never reading before them; ``sinks``: one float32
-    logit per query head in every softmax, or None (``paged_attention_reference``'s meanings).
+    logit per query head in every softmax, or None; ``softcap``: each scaled score becomes
+    ``softcap * tanh(score / softcap)`` (0: off) (``paged_attention_reference``'s meanings).
     ``library``: another build of the kernels (tests); default ``load()``."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
     name = _attention_kernel(DECODE_ATTENTION_DTYPES, "decode", query, out, key_cache, value_cache,
                              (rows, seq_lens), block_tables, sinks)
+    name, cap = _with_softcap(name, softcap)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), rows.shape[0], num_heads, num_kv_heads,
-        head_dim, block_size, scale, window, None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
+        head_dim, block_size, scale, window, None if sinks is None else sinks.data_ptr(), *cap,
+        torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"{name}: scratch allocation failed")
+
+
+def _with_softcap(name: str, softcap: float) -> tuple[str, tuple[float, ...]]:
+    """(kernel, its soft-cap argument) for an attention kernel named as in
+    ``DECODE_ATTENTION_DTYPES`` / ``PREFILL_ATTENTION_DTYPES``: without a cap (0) the kernel
+    itself, which takes none (kernels/csrc/decoder.c and builds of revisions before soft-capping
+    call it too), else its ``_softcap`` version and the cap. The cap must be finite and positive."""
+    if not softcap:
+        return name, ()
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite positive number (0: off), got {softcap}")
+    stem, suffix = name.rsplit("_", 1)
+    return f"{stem}_softcap_{suffix}", (float(softcap),)
 
 
 def _attention_kernel(kernels: dict[torch.dtype, str], kind: str, query: torch.Tensor, out: torch.Tensor,
@@ -353,22 +374,23 @@ PREFILL_ATTENTION_DTYPES = {torch.float32: "paged_prefill_attention_f32",
 def paged_prefill_attention(query: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
                             seq_lens: torch.Tensor, block_tables: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, scale: float, library: ctypes.CDLL | None = None, *,
-                            window: int = 0, sinks: torch.Tensor | None = None) -> None:
+                            window: int = 0, sinks: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """Prefill sequence i's ``query_lens[i]`` query rows from row ``starts[i]`` attend causally
     over its ``seq_lens[i]`` tokens (the queries are the last ones); results go to the same
-    rows of ``out``. Same dtype and layout rules, ``window`` and ``sinks`` as
+    rows of ``out``. Same dtype and layout rules, ``window``, ``sinks`` and ``softcap`` as
     ``paged_decode_attention``; starts, query_lens and seq_lens int64, tables int32."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
     name = _attention_kernel(PREFILL_ATTENTION_DTYPES, "prefill", query, out, key_cache, value_cache,
                              (starts, query_lens, seq_lens), block_tables, sinks)
+    name, cap = _with_softcap(name, softcap)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     status = getattr(library, name)(
         query.data_ptr(), out.data_ptr(), starts.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), starts.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, scale, window, None if sinks is None else sinks.data_ptr(),
-        torch.get_num_threads())
+        *cap, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"{name}: scratch allocation failed")
 

@@ -14,6 +14,8 @@ Layout
 - Attention sinks (gpt-oss): one learned logit per query head joins every row's softmax
   denominator beside the row's scaled scores; its value is zero (it adds probability mass and
   nothing to the output): ``softmax([q.k * scale ..., sink])`` with the sink's column dropped.
+- Logit soft-capping (Gemma 2): each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
+  before the mask and the sinks (transformers' eager Gemma 2 attention).
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cach
 def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                               block_tables: torch.Tensor, scale: float, window: int | None = None,
-                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+                              sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` over K/V read
     only from the paged cache (grouped-query: ``num_heads`` a multiple of ``num_kv_heads``),
     within a sliding ``window`` of keys where given, with one sink logit per query head in
-    every row's softmax where ``sinks`` (``[num_heads]``, used in float32) is given. Softmax in
-    float32; the output has the query's dtype."""
+    every row's softmax where ``sinks`` (``[num_heads]``, used in float32) is given, each score
+    soft-capped at ``softcap`` where given. Softmax in float32; the output has the query's dtype."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -65,6 +67,8 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
         v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].float()                              # [num_queries, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale           # [num_heads, num_queries, seq_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         # Query j sits at absolute position context_len + j and sees keys 0..context_len + j
         # (the last ``window`` of them).
         q_pos = torch.arange(num_queries, device=query.device).unsqueeze(1) + context_len

@@ -20,6 +20,8 @@ Same layout and semantics as the reference (read that module's docstring first):
   online softmax starts from its head's sink (running max = the sink, running sum = 1, nothing
   accumulated), which adds exactly the sink's term to the denominator; with splits the merge
   adds it once, beside the splits' sums.
+- Logit soft-capping (Gemma 2; ``softcap``): each scaled score is capped before the mask, a
+  compile-time switch (``HAS_SOFTCAP``), so uncapped models run the same code as before.
 
 Mapping programs to tiles without a host sync: sequence ``i`` owns the tile slots starting
 at ``query_start_loc[i] // BLOCK_Q + i``; that gives every sequence at least
@@ -112,12 +114,13 @@ def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr,
-    scale, num_seqs, num_tokens, window,
+    scale, softcap, num_seqs, num_tokens, window,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_block_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, DOT_IN_FP32: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -201,6 +204,10 @@ def _paged_attention_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale
+        if HAS_SOFTCAP:
+            # softcap * tanh(scores / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to
+            # +-1 without NaN where exp overflows or vanishes.
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
         visible = visible & ((window <= 0) | (key_pos[None, :] > query_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
@@ -306,10 +313,11 @@ def _num_sms(device: torch.device) -> int:
 def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                        scale: float, plan: LaunchPlan, out: torch.Tensor, window: int | None = None,
-                       sinks: torch.Tensor | None = None) -> list[KernelLaunch]:
+                       sinks: torch.Tensor | None = None, softcap: float | None = None) -> list[KernelLaunch]:
     """The attention launch, then the split merge when the plan splits the keys. ``window``:
     a sliding window of keys (kernels/reference.py), None for every key; ``sinks``: one
-    softmax sink logit per query head (``[num_heads]``, read as float32), None for none."""
+    softmax sink logit per query head (``[num_heads]``, read as float32), None for none;
+    ``softcap``: each score soft-capped (Gemma 2), None for none."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
@@ -333,13 +341,14 @@ def attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache
         _paged_attention_kernel, (num_tiles, num_kv_heads, plan.num_splits),
         (out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
          partial_out, partial_max, partial_sum, out if sinks is None else sinks,   # out: unused
-         scale, num_seqs, num_tokens, window or 0,
+         scale, softcap or 0.0, num_seqs, num_tokens, window or 0,
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
         dict(NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
              HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=key_cache.shape[1], BLOCK_M=plan.block_m,
              BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
-             DECODE_ONLY=plan.decode_only, DOT_IN_FP32=_dot_in_fp32(query), HAS_SINKS=sinks is not None),
+             DECODE_ONLY=plan.decode_only, DOT_IN_FP32=_dot_in_fp32(query), HAS_SINKS=sinks is not None,
+             HAS_SOFTCAP=softcap is not None),
         dict(num_warps=4, num_stages=2))]
     if plan.num_splits > 1:
         launches.append(KernelLaunch(
@@ -364,8 +373,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_query_len: int | None = None, max_seq_len: int | None = None,
                     plan: LaunchPlan | None = None, out: torch.Tensor | None = None,
-                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Drop-in for ``paged_attention_reference`` (``window`` and ``sinks`` included).
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Drop-in for ``paged_attention_reference`` (``window``, ``sinks`` and ``softcap`` included).
     ``max_query_len`` / ``max_seq_len`` are host-side bounds (the model runner knows them);
     without them they are read from the tensors, which costs a device sync. ``plan`` overrides the tile shapes (tests, CUDA
     graphs); ``out`` receives the result when given."""
@@ -383,6 +393,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         plan = plan_launch(num_tokens, num_seqs, num_heads, num_kv_heads, max_query_len, max_seq_len,
                            _num_sms(query.device), interpreter=query.device.type == "cpu")
     for launch in attention_launches(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                                     scale, plan, out, window, sinks):
+                                     scale, plan, out, window, sinks, softcap):
         launch()
     return out

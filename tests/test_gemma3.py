@@ -1,4 +1,4 @@
-"""Gemma 3 text (``model_type`` gemma3_text, backend/model/gemma3.py): greedy tokens equal
+"""Gemma 3 text (``model_type`` gemma3_text, backend/model/gemma.py): greedy tokens equal
 transformers' float32 on a tiny random ``Gemma3ForCausalLM`` saved with ``save_pretrained`` (the
 SmolLM2 tokenizer reused): 6 layers, 5 windowed (16 keys, local RoPE base) to 1 global (linear
 RoPE scaling), query_pre_attn_scalar != head_dim, random (1 + w) norms, a final logit soft-cap;
@@ -6,8 +6,8 @@ prompts of 1-160 tokens (past the window) by default, in chunked prefill, with p
 over prefix hits and through the Triton kernels. The soft-capped logprobs equal transformers';
 the norm equals transformers' bit for bit in float32 and bfloat16; config.json read in both
 its transformers 5 (RoPE per layer type) and 4 (rope_local_base_freq, sliding_window_pattern)
-forms; ``load_format=dummy`` loads; LoRA adapters equal peft's; attn_logit_softcapping (Gemma
-2) refused by name; bfloat16 agreement held above a floor."""
+forms; ``load_format=dummy`` loads; LoRA adapters equal peft's; unserved settings refused by
+name; bfloat16 agreement held above a floor. Gemma 2 (the same module): tests/test_gemma2.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from backend.model.architecture import ModelArchitecture
 from tests.conftest import FIXED_BUDGET, hf_greedy
 from tests.test_hf_equality import assert_same_tokens
 from tests.tiny_models import (assert_served_like_the_engine, bfloat16_agreement, compositions, prefix_hit_greedy,
-                               run_greedy, save_tiny_model, speculative_greedy)
+                               randomize_gemma_norms, run_greedy, save_tiny_model, speculative_greedy)
 
 NEW_TOKENS = 16
 WINDOW = 16
@@ -52,15 +52,7 @@ def make_tiny_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 30, **overri
 
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(tiny_config(**overrides)).float().eval()
-    with torch.no_grad():   # transformers initialises the norms' w to 0 (a scale of 1): make them matter
-        for name, param in model.named_parameters():
-            if ".post_" in name:
-                # The branches' outputs (post-attention / post-feedforward norms) scaled 3-6x:
-                # at 1x the embedding (times sqrt(hidden)) dominates the residual stream, and the
-                # tied head then predicts the input token, over and over, whatever the layers do.
-                param.uniform_(2.0, 5.0)
-            elif "norm" in name:
-                param.uniform_(-0.5, 0.5)
+    randomize_gemma_norms(model)
     return save_tiny_model(model, folder, tokenizer_dir)
 
 
@@ -144,7 +136,7 @@ def test_the_rope_of_each_layer_kind_is_transformers(tiny_gemma3) -> None:
 def test_norm_equals_transformers_bit_for_bit(dtype: torch.dtype) -> None:
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from backend.model.gemma3 import GemmaRMSNorm
+    from backend.model.gemma import GemmaRMSNorm
 
     torch.manual_seed(0)
     for shape in ((37, 64), (37, 8, 64)):
@@ -267,8 +259,7 @@ def test_lora_adapters_match_peft(tiny_gemma3, prose_ids: list[int], tmp_path: P
 def test_unserved_settings_are_refused_by_name(tmp_path: Path) -> None:
     base = {"model_type": "gemma3_text", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 16,
             "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 32, "sliding_window": 16}
-    for extra, message in (({"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping 50.0"),
-                           ({"hidden_activation": "gelu"}, "unsupported hidden_act 'gelu'"),
+    for extra, message in (({"hidden_activation": "gelu"}, "unsupported hidden_act 'gelu'"),
                            ({"use_bidirectional_attention": True}, "unsupported use_bidirectional_attention"),
                            ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0,

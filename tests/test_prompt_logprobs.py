@@ -17,7 +17,7 @@ from tests.conftest import FIXED_BUDGET
 
 TOP_N = 3
 CONFIGS = {
-    "default": dict(num_kv_blocks=256),
+    "default": dict(num_kv_blocks=256, **FIXED_BUDGET),
     "chunked": dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=32, max_num_seqs=8, **FIXED_BUDGET),
     # 12 blocks of 16 tokens for two ~90-token requests: one is preempted and recomputed
     "preemption": dict(block_size=16, num_kv_blocks=12, max_num_batched_tokens=64, max_num_seqs=8, **FIXED_BUDGET),
@@ -70,7 +70,8 @@ def test_prompt_logprobs_match_transformers(model_dir: Path, prompts, expected, 
 def test_prefix_cache_hit_is_not_taken(model_dir: Path, prompts, expected) -> None:
     """The prompt's blocks are cached by a first request; the one asking for prompt logprobs
     computes every position anyway (and says it read nothing from the cache)."""
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=True))
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=True,
+                                 **FIXED_BUDGET))
     warm = engine.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))[0]
     again = engine.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))[0]
     assert again.num_cached_tokens > 0, "the cache did not hold the prompt"
@@ -106,7 +107,7 @@ def assert_matches_rank_zero(prompt_logprobs, prompt: list[int], expected: torch
 
 
 def test_not_asked_costs_nothing(model_dir: Path, prompts) -> None:
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=256))
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=256, **FIXED_BUDGET))
     assert engine.generate([prompts[0]], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
 
 

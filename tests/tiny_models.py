@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from backend import Engine, EngineConfig, SamplingParams
 from tests.conftest import FIXED_BUDGET, hf_greedy
 
@@ -37,6 +39,19 @@ def save_tiny_model(model, folder: Path, tokenizer_dir: Path):
         shutil.copy(tokenizer_dir / name, folder / name)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return model
+
+
+def randomize_gemma_norms(model) -> None:
+    """transformers initialises Gemma's norm weights w to 0 (a scale of 1): make them matter. The
+    branches' outputs (post-attention / post-feedforward norms) scaled 3-6x: at 1x the embedding
+    (times sqrt(hidden)) dominates the residual stream, and the tied head then predicts the
+    input token, over and over, whatever the layers do."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".post_" in name:
+                param.uniform_(2.0, 5.0)
+            elif "norm" in name:
+                param.uniform_(-0.5, 0.5)
 
 
 def run_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, dtype: str = "float32",

@@ -129,12 +129,13 @@ class ModelArchitecture:
     moe: MoEArchitecture | None = None
     # Per layer: its sliding window of keys, or None for full attention.
     layer_windows: tuple[int | None, ...] = ()
-    # Gemma-style switches (backend/model/gemma3.py); the defaults are Llama's.
+    # Gemma-style switches (backend/model/gemma.py); the defaults are Llama's.
     hidden_act: str = "silu"                        # the MLP's gate activation
     norm_weight_offset: float = 0.0                 # RMSNorms scale by (offset + w): Gemma's (1 + w)
     embedding_multiplier: float | None = None       # embeddings times this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None            # query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     final_logit_softcapping: float | None = None    # logits := tanh(logits / c) * c
+    attn_logit_softcapping: float | None = None     # each attention score s := tanh(s / c) * c (Gemma 2)
     local_rope_theta: float | None = None           # the windowed layers' own RoPE base (Gemma 3's local one)
 
     def local_rope_architecture(self) -> "ModelArchitecture":
@@ -166,10 +167,9 @@ class ModelArchitecture:
         hidden_act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.hidden_acts[0]
         if hidden_act not in family.hidden_acts:
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (for {model_type}: {family.hidden_acts})")
-        for key, why in (("attn_logit_softcapping", "the attention kernels do not cap scores (Gemma 2's tanh)"),
-                         ("use_bidirectional_attention", "bidirectional attention (EmbeddingGemma) is not served")):
-            if cfg.get(key):
-                raise ValueError(f"unsupported {key} {cfg[key]!r}: {why}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("unsupported use_bidirectional_attention True: bidirectional attention (EmbeddingGemma) "
+                             "is not served")
         # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
         # rope_theta + rope_scaling at the top level. Gemma 3's are per layer type in 5
         # (full_attention, sliding_attention), rope_theta + rope_scaling (the global layers')
@@ -213,9 +213,17 @@ class ModelArchitecture:
             norm_weight_offset=family.norm_weight_offset,
             embedding_multiplier=cfg["hidden_size"] ** 0.5 if family.scale_embeddings else None,
             attention_scale=cfg["query_pre_attn_scalar"] ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
-            final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
+            final_logit_softcapping=softcap(cfg, "final_logit_softcapping", family.default_final_logit_softcapping),
+            attn_logit_softcapping=softcap(cfg, "attn_logit_softcapping", family.default_attn_logit_softcapping),
             local_rope_theta=None if local_rope_theta is None else float(local_rope_theta),
         )
+
+
+def softcap(cfg: dict[str, Any], key: str, default: float | None) -> float | None:
+    """A soft-cap from config.json: its value, the family's default where the key is absent,
+    None where it is null or 0 (off)."""
+    value = cfg.get(key, default)
+    return float(value) if value else None
 
 
 def layer_windows(cfg: dict[str, Any], family: ModelFamily) -> tuple[int | None, ...]:

@@ -65,6 +65,8 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return "sliding-window layers (the C layer loop attends every key)"
     if any(getattr(layer.self_attn, "sinks", None) is not None for layer in model.model.layers):
         return "attention sinks (gpt-oss; the C layer loop passes none to the attention kernels)"
+    if model.arch.attn_logit_softcapping is not None:
+        return "attention soft-capping (the C layer loop passes no cap to the attention kernels)"
     return None
 
 

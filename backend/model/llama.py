@@ -139,6 +139,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5 if arch.attention_scale is None else arch.attention_scale
         self.window = arch.window_of(layer)        # sliding window of keys, None: every key
         self.sinks: nn.Parameter | None = None     # a softmax sink logit per query head (gpt_oss.py)
+        self.softcap = arch.attn_logit_softcapping  # scores soft-capped (Gemma 2), None: not
         self.layer_ops: ModuleType | None = None   # set by CausalLM.use_fused_layer_ops
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
@@ -153,7 +154,8 @@ class Attention(nn.Module):
             q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
         else:
             q = self._rope_and_cache(qkv, cos, sin, key_cache, value_cache, meta, plan)
-        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan, self.window, self.sinks)
+        o = self.attention_backend.attend(q, key_cache, value_cache, meta, self.scale, plan, self.window, self.sinks,
+                                          self.softcap)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)
         add_lora(out, o, self.layer, "o")
@@ -253,7 +255,7 @@ class CausalLM(nn.Module):
             self.rope_attention_factor = float(scaling["attention_factor"])
 
     def make_layer(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int) -> nn.Module:
-        """One decoder layer: a family's hook (backend/model/gemma3.py)."""
+        """One decoder layer: a family's hook (backend/model/gemma.py)."""
         return DecoderLayer(arch, attention_backend, layer, self.make_mlp(arch, layer))
 
     def graph_unsafe_reason(self) -> str | None:

@@ -58,7 +58,7 @@ def load_model(folder: str | Path, arch: ModelArchitecture, dtype: torch.dtype, 
     model.inv_freq = rope_inverse_frequencies(arch).to(device)
     if model.long_inv_freq is not None:          # LongRoPE's second set
         model.long_inv_freq = rope_inverse_frequencies(arch, long=True).to(device)
-    if getattr(model, "local_inv_freq", None) is not None:     # the windowed layers' own base (gemma3.py)
+    if getattr(model, "local_inv_freq", None) is not None:     # the windowed layers' own base (gemma.py)
         model.local_inv_freq = rope_inverse_frequencies(arch.local_rope_architecture()).to(device)
     if quantization == "int8":
         # The decoder's projections only: the LM head stays in the model dtype (its rounding

@@ -48,7 +48,7 @@ class ModelFamily:
     moe_renormalize_default: bool = True         # without norm_topk_prob in config.json
     expert_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # see QWEN_MOE_EXPERT_WEIGHTS
     renamed_weights: Mapping[str, str] = field(default_factory=dict)   # our name -> the checkpoint's
-    # Gemma-style switches (backend/model/gemma3.py); the defaults are Llama's.
+    # Gemma-style switches (backend/model/gemma.py); the defaults are Llama's.
     hidden_acts: tuple[str, ...] = ("silu",)     # the MLP activations served; the first without one in config.json
     norm_weight_offset: float = 0.0              # every RMSNorm scales by (offset + w): Gemma's (1 + w)
     scale_embeddings: bool = False               # embeddings times sqrt(hidden_size)
@@ -59,6 +59,10 @@ class ModelFamily:
     # layers' where they have their own (Gemma 3's rope_local_base_freq).
     default_rope_theta: float = 10000.0
     default_local_rope_theta: float | None = None
+    # Soft-caps without them in config.json (Gemma 2's config class defaults): attention
+    # scores and final logits, c * tanh(x / c).
+    default_attn_logit_softcapping: float | None = None
+    default_final_logit_softcapping: float | None = None
 
     def model_class(self) -> Any:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -66,7 +70,7 @@ class ModelFamily:
 
 _LLAMA_MODULE = ("backend.model.llama", "CausalLM")
 _MOE_MODULE = ("backend.model.moe", "MoECausalLM")
-_GEMMA3_MODULE = ("backend.model.gemma3", "Gemma3CausalLM")
+_GEMMA_MODULE = ("backend.model.gemma", "GemmaCausalLM")
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: family for family in (
     ModelFamily("llama", *_LLAMA_MODULE, plain_tokenizer=True),
@@ -88,7 +92,12 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({family.model_type: famil
                 sliding_window_pattern=2, default_rope_theta=150_000.0),
     # Gemma 3's text decoder: (1 + w) RMSNorms (four a layer, and on q and k heads), embeddings
     # times sqrt(hidden), GeGLU, 5 windowed layers to 1 global by default, each kind its RoPE base.
-    ModelFamily("gemma3_text", *_GEMMA3_MODULE, qk_norm=True, hidden_acts=("gelu_pytorch_tanh",),
+    # Gemma 2: Gemma 3's layer without q/k norms, every other layer windowed (the first one),
+    # one RoPE base, attention scores and final logits soft-capped.
+    ModelFamily("gemma2", *_GEMMA_MODULE, hidden_acts=("gelu_pytorch_tanh",), norm_weight_offset=1.0,
+                scale_embeddings=True, tie_word_embeddings_default=True, sliding_window_pattern=2,
+                default_attn_logit_softcapping=50.0, default_final_logit_softcapping=30.0),
+    ModelFamily("gemma3_text", *_GEMMA_MODULE, qk_norm=True, hidden_acts=("gelu_pytorch_tanh",),
                 norm_weight_offset=1.0, scale_embeddings=True, tie_word_embeddings_default=True,
                 sliding_window_pattern=6, default_rope_theta=1_000_000.0, default_local_rope_theta=10_000.0),
 )})

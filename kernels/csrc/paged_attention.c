@@ -48,6 +48,12 @@
  * scores (it is not scaled) and has no value vector: it adds exp(sink - max) to the
  * denominator only. With window 0 and sinks NULL every path does exactly the arithmetic it
  * did before it took them.
+ *
+ * Logit soft-capping (Gemma 2; decode and prefill, every path): with softcap != 0 each scaled
+ * score s becomes softcap * tanh(s / softcap) before the mask, the sinks and the maximum;
+ * softcap 0 is off, and then every path runs the code it ran before (soft_cap below says how).
+ * The exported functions of before keep their arguments (decoder.c calls them) and run
+ * uncapped; paged_{decode,prefill}_attention_softcap_{f32,bf16} take softcap before num_threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -193,6 +199,94 @@ static inline __attribute__((always_inline)) void softmax(float *restrict s, int
     for (t = 0; t < n; ++t) s[t] *= inv;
 }
 
+/* ---- logit soft-capping (Gemma 2): s <- softcap * tanh(s / softcap) ----------------------
+ *
+ * On the scaled scores, before the mask, the sinks and the maximum (kernels/reference.py), only
+ * where softcap != 0 (0: off). Every caller asks that once, outside its loops over keys: the
+ * decode functions cap the whole score array between the q.k pass and the softmax, and the
+ * prefill task functions are compiled twice, capped and not, with the choice a constant
+ * (CAPPED), so without a cap each path does exactly the arithmetic (and runs the very code) it
+ * did before it took one.
+ *
+ * tanh as vector code, Cephes' tanhf: for |x| < 0.625 x + x^3 P(x^2) (degree 4 in x^2),
+ * otherwise (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29 (no cancellation; exp_ps*'s clamp at
+ * -87.3 makes it exactly 1 from |x| ~ 44 on, where tanhf is 1 in float32 too), the sign of x put
+ * back: within a few ulp of tanhf (tests/test_attention_softcap.py checks it against torch.tanh
+ * over the whole range). A NaN stays NaN (it takes the polynomial). s / softcap is taken as
+ * s * (1 / softcap) there (one rounding more). Builds without AVX2 + FMA call tanhf per score
+ * (correct, slower). */
+#define TANH_SMALL 0.625f
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 tanh_ps512(__m512 x) {
+    const __m512 a = _mm512_abs_ps(x), z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    const __m512 e = exp_ps512(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 large = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
+    const __m512 signed_large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), sign));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(TANH_SMALL), _CMP_GE_OQ), small, signed_large);
+}
+
+/* softcap * tanh(s * inv), inv = 1 / softcap: one vector of scores capped. */
+static inline __attribute__((always_inline)) __m512 cap_ps512(__m512 s, __m512 inv, __m512 softcap) {
+    return _mm512_mul_ps(softcap, tanh_ps512(_mm512_mul_ps(s, inv)));
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)   /* AVX-512 builds too: the AVX2 prefill function uses it */
+static inline __attribute__((always_inline)) __m256 tanh_ps256(__m256 x) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256 a = _mm256_andnot_ps(sign_bit, x), z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    const __m256 e = exp_ps256(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 large = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                                      _mm256_and_ps(x, sign_bit));
+    return _mm256_blendv_ps(small, large, _mm256_cmp_ps(a, _mm256_set1_ps(TANH_SMALL), _CMP_GE_OQ));
+}
+
+static inline __attribute__((always_inline)) __m256 cap_ps256(__m256 s, __m256 inv, __m256 softcap) {
+    return _mm256_mul_ps(softcap, tanh_ps256(_mm256_mul_ps(s, inv)));
+}
+#endif
+
+/* s[0:n] <- softcap * tanh(s / softcap), in place (softcap != 0). */
+static inline void soft_cap(float *restrict s, int64_t n, float softcap) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 inv = _mm512_set1_ps(1.0f / softcap), cap = _mm512_set1_ps(softcap);
+    for (; t + 16 <= n; t += 16) _mm512_storeu_ps(s + t, cap_ps512(_mm512_loadu_ps(s + t), inv, cap));
+    if (t < n) {   /* the tail through the same function, masked */
+        const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1);
+        _mm512_mask_storeu_ps(s + t, tail, cap_ps512(_mm512_maskz_loadu_ps(tail, s + t), inv, cap));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 inv = _mm256_set1_ps(1.0f / softcap), cap = _mm256_set1_ps(softcap);
+    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, cap_ps256(_mm256_loadu_ps(s + t), inv, cap));
+    if (t < n) {   /* the tail through the same function, via a buffer */
+        float tail[8] = {0};
+        memcpy(tail, s + t, sizeof(float) * (size_t)(n - t));
+        _mm256_storeu_ps(tail, cap_ps256(_mm256_loadu_ps(tail), inv, cap));
+        memcpy(s + t, tail, sizeof(float) * (size_t)(n - t));
+    }
+#else
+    for (; t < n; ++t) s[t] = softcap * tanhf(s[t] / softcap);   /* scalar tanhf: no vector version here */
+#endif
+}
+
+/* soft_cap as this build compiled it, for the tests (its accuracy over the whole range). */
+void attention_soft_cap(float *s, int64_t n, float softcap) { soft_cap(s, n, softcap); }
+
 /* Element offset of token t's row (num_kv_heads * head_dim elements) in a K or V cache. */
 static inline int64_t token_offset(const int32_t *table, int64_t t, int64_t block_size, int64_t token_stride) {
     return ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
@@ -256,7 +350,7 @@ static inline __attribute__((always_inline)) void weighted_values_avx512(
 static inline __attribute__((always_inline)) void attend_sequence(
         const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t first, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
-        int64_t head_dim, int64_t block_size, float scale, const float *sinks,
+        int64_t head_dim, int64_t block_size, float scale, const float *sinks, float softcap,
         float *restrict scores /* [num_heads * (seq_len - first)] */,
         float *restrict v_row /* [num_kv_heads * head_dim], bfloat16 only */) {
     const int64_t group = num_heads / num_kv_heads;
@@ -273,6 +367,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
             scores[h * n + t - first] = qk * scale;
         }
     }
+    if (softcap != 0.0f) soft_cap(scores, num_heads * n, softcap);
     for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * n, n, sinks == NULL ? NULL : sinks + h);
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && head_dim <= 16 * MAX_HEAD_VECTORS) {
@@ -451,13 +546,14 @@ static inline __attribute__((always_inline)) void decode_values_avx2(
 static inline __attribute__((always_inline)) void attend_sequence_avx2(
         const float *restrict q, float *restrict out, const int32_t *restrict table, int64_t first, int64_t seq_len,
         const void *key_cache, const void *value_cache, int is_bf16, int64_t num_heads, int64_t num_kv_heads,
-        int64_t head_dim, int64_t block_size, float scale, const float *sinks, float *restrict scores,
+        int64_t head_dim, int64_t block_size, float scale, const float *sinks, float softcap, float *restrict scores,
         float *restrict partial, int64_t *restrict offsets) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     row_offsets(table, first, seq_len, block_size, token_stride, offsets);
     seq_len -= first;
     decode_scores_avx2(q, offsets, seq_len, key_cache, is_bf16, num_heads, num_kv_heads, head_dim, scale, scores,
                        partial);
+    if (softcap != 0.0f) soft_cap(scores, num_heads * seq_len, softcap);
     for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len, sinks == NULL ? NULL : sinks + h);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
         for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += DECODE_HEADS) {
@@ -638,7 +734,8 @@ static int64_t dp_scratch_bytes(int64_t seq_len, int64_t token_stride) {
 static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, const int32_t *restrict table,
                                int64_t first, int64_t seq_len, const bf16_t *key_cache, const bf16_t *value_cache,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, const float *sinks, float *restrict scores, void *restrict scratch) {
+                               float scale, const float *sinks, float softcap, float *restrict scores,
+                               void *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     int64_t *offsets = scratch;
     row_offsets(table, first, seq_len, block_size, token_stride, offsets);
@@ -651,6 +748,7 @@ static void attend_sequence_dp(const bf16_t *restrict q, float *restrict out, co
                    chunk);
     else scores_dp(4, q, offsets, seq_len, key_cache, num_heads, group, head_dim, token_stride, scale, scores,
                    chunk);
+    if (softcap != 0.0f) soft_cap(scores, num_heads * seq_len, softcap);
     for (int64_t h = 0; h < num_heads; ++h) softmax(scores + h * seq_len, seq_len, sinks == NULL ? NULL : sinks + h);
     const int64_t per_pass = vec == 4 ? 2 : 3;
     for (int64_t h = 0; h < num_heads;) {
@@ -691,14 +789,15 @@ static inline int64_t decode_first_key(int64_t seq_len, int64_t window) {
     return window > 0 && seq_len > window ? seq_len - window : 0;
 }
 
-/* ``window``: keys each query sees (0 or less: all); ``sinks``: NULL or [num_heads] float32
- * (the file's first comment). Returns 0, or -1 when a scratch allocation failed (the caller
- * raises). */
-int paged_decode_attention_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
-                               const int32_t *block_tables, int64_t block_table_stride, const float *key_cache,
-                               const float *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale, int64_t window, const float *sinks,
-                               int num_threads) {
+/* ``window``: keys each query sees (0 or less: all); ``sinks``: NULL or [num_heads] float32;
+ * ``softcap``: 0 or the scores' soft cap (the file's first comment). Returns 0, or -1 when a
+ * scratch allocation failed (the caller raises). The exported functions below call this and
+ * decode_bf16. */
+static int decode_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
+                      const int32_t *block_tables, int64_t block_table_stride, const float *key_cache,
+                      const float *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, int64_t window, const float *sinks,
+                      float softcap, int num_threads) {
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -716,25 +815,25 @@ int paged_decode_attention_f32(const float *query, float *out, const int64_t *ro
         if (attention_path(0, head_dim) == ATTENTION_AVX2) {
             attend_sequence_avx2(query + offset, out + offset, block_tables + s * block_table_stride, first, seq_len,
                                  key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 sinks, scores, scores + num_heads * n, (int64_t *)(scores + floats));
+                                 sinks, softcap, scores, scores + num_heads * n, (int64_t *)(scores + floats));
             free(scores);
             continue;
         }
 #endif
         attend_sequence(query + offset, out + offset, block_tables + s * block_table_stride, first, seq_len,
                         key_cache, value_cache, 0, num_heads, num_kv_heads, head_dim, block_size, scale, sinks,
-                        scores, NULL);
+                        softcap, scores, NULL);
         free(scores);
     }
     return failed ? -1 : 0;
 }
 
 /* The same over bfloat16 query, output and caches (float32 inside). Returns 0 or -1 as above. */
-int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *rows, const int64_t *seq_lens,
-                                const int32_t *block_tables, int64_t block_table_stride, const bf16_t *key_cache,
-                                const bf16_t *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                                const float *sinks, int num_threads) {
+static int decode_bf16(const bf16_t *query, bf16_t *out, const int64_t *rows, const int64_t *seq_lens,
+                       const int32_t *block_tables, int64_t block_table_stride, const bf16_t *key_cache,
+                       const bf16_t *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale, int64_t window, const float *sinks,
+                       float softcap, int num_threads) {
     int failed = 0;
     const int64_t width = num_heads * head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
@@ -756,8 +855,8 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if (attention_path(1, head_dim) == ATTENTION_AVX512_BF16) {
             attend_sequence_dp(query + offset, o, block_tables + s * block_table_stride, first, seq_len, key_cache,
-                               value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, sinks, scores,
-                               scores + floats);
+                               value_cache, num_heads, num_kv_heads, head_dim, block_size, scale, sinks, softcap,
+                               scores, scores + floats);
         } else
 #endif
         {
@@ -766,16 +865,58 @@ int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t 
             if (attention_path(1, head_dim) == ATTENTION_AVX2)
                 attend_sequence_avx2(q, o, block_tables + s * block_table_stride, first, seq_len, key_cache,
                                      value_cache, 1, num_heads, num_kv_heads, head_dim, block_size, scale, sinks,
-                                     scores, v_row + num_kv_heads * head_dim, (int64_t *)(scores + floats));
+                                     softcap, scores, v_row + num_kv_heads * head_dim, (int64_t *)(scores + floats));
             else
 #endif
             attend_sequence(q, o, block_tables + s * block_table_stride, first, seq_len, key_cache, value_cache, 1,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, sinks, scores, v_row);
+                            num_heads, num_kv_heads, head_dim, block_size, scale, sinks, softcap, scores, v_row);
         }
         for (int64_t i = 0; i < width; ++i) out[offset + i] = f32_to_bf16(o[i]);
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* The exported decode functions. paged_decode_attention_{f32,bf16} keep the arguments they had
+ * before soft-capping (kernels/csrc/decoder.c calls them, with no cap: its layer loop declines
+ * capped families) and run uncapped; the _softcap ones take ``softcap`` (0: off, the same
+ * results bit for bit) before num_threads. */
+int paged_decode_attention_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
+                               const int32_t *block_tables, int64_t block_table_stride, const float *key_cache,
+                               const float *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale, int64_t window, const float *sinks,
+                               int num_threads) {
+    return decode_f32(query, out, rows, seq_lens, block_tables, block_table_stride, key_cache, value_cache, num_seqs,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, 0.0f, num_threads);
+}
+
+int paged_decode_attention_softcap_f32(const float *query, float *out, const int64_t *rows, const int64_t *seq_lens,
+                                       const int32_t *block_tables, int64_t block_table_stride,
+                                       const float *key_cache, const float *value_cache, int64_t num_seqs,
+                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                       float scale, int64_t window, const float *sinks, float softcap,
+                                       int num_threads) {
+    return decode_f32(query, out, rows, seq_lens, block_tables, block_table_stride, key_cache, value_cache, num_seqs,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, softcap, num_threads);
+}
+
+int paged_decode_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t *rows, const int64_t *seq_lens,
+                                const int32_t *block_tables, int64_t block_table_stride, const bf16_t *key_cache,
+                                const bf16_t *value_cache, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                                const float *sinks, int num_threads) {
+    return decode_bf16(query, out, rows, seq_lens, block_tables, block_table_stride, key_cache, value_cache, num_seqs,
+                       num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, 0.0f, num_threads);
+}
+
+int paged_decode_attention_softcap_bf16(const bf16_t *query, bf16_t *out, const int64_t *rows,
+                                        const int64_t *seq_lens, const int32_t *block_tables,
+                                        int64_t block_table_stride, const bf16_t *key_cache,
+                                        const bf16_t *value_cache, int64_t num_seqs, int64_t num_heads,
+                                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                        int64_t window, const float *sinks, float softcap, int num_threads) {
+    return decode_bf16(query, out, rows, seq_lens, block_tables, block_table_stride, key_cache, value_cache, num_seqs,
+                       num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, softcap, num_threads);
 }
 
 /* ---- prefill: sequences with several new tokens (prompts, prompt chunks) -----------------
@@ -839,11 +980,13 @@ static int64_t prefill_scratch_floats(int64_t rows, int64_t head_dim) {
 /* Queries [i0, i1) of one sequence (packed row ``row0`` is its query 0, at absolute position
  * ``context_len``), the heads of KV head ``g``. ``rows`` = group * (i1 - i0) rounded up to
  * PREFILL_ROWS_AT_ONCE; row r is query i0 + r / group, head g * group + r % group. ``window``
- * (0: none) and ``sinks`` (NULL: none) as the file's first comment says. */
-static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
-                         int64_t context_len, const int32_t *table, const void *key_cache, const void *value_cache,
-                         int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         float scale, int64_t window, const float *sinks, int64_t rows, float *restrict scratch) {
+ * (0: none), ``sinks`` (NULL: none) and ``softcap`` as the file's first comment says; CAPPED
+ * (a constant: prefill_task below compiles this twice) is softcap != 0. */
+static inline __attribute__((always_inline)) void prefill_task_any(
+        const int CAPPED, const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
+        int64_t context_len, const int32_t *table, const void *key_cache, const void *value_cache, int64_t g,
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+        const float *sinks, float softcap, int64_t rows, float *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0);
     float *restrict q = scratch;                       /* [rows][head_dim], scaled */
@@ -898,6 +1041,7 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
             if (visible <= 0) continue;      /* the whole block is in this row's future */
             if (hidden >= keys) continue;    /* ... or before this row's window */
             float *sr = s + r * PREFILL_KEY_BLOCK;
+            if (CAPPED) soft_cap(sr, PREFILL_KEY_BLOCK, softcap);   /* before the mask, as the reference */
             float block_max = -INFINITY;
             for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) {
                 if (t >= visible || t >= keys || t < hidden) sr[t] = -INFINITY;
@@ -929,6 +1073,19 @@ static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0
             else ((float *)out)[at + d] = value;
         }
     }
+}
+
+static void prefill_task(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
+                         int64_t context_len, const int32_t *table, const void *key_cache, const void *value_cache,
+                         int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         float scale, int64_t window, const float *sinks, float softcap, int64_t rows,
+                         float *restrict scratch) {
+#define TASK(CAPPED) prefill_task_any(CAPPED, query, out, is_bf16, row0, i0, i1, context_len, table, key_cache, \
+                                      value_cache, g, num_heads, num_kv_heads, head_dim, block_size, scale, window, \
+                                      sinks, softcap, rows, scratch)
+    if (softcap != 0.0f) TASK(1);
+    else TASK(0);
+#undef TASK
 }
 
 #if AVX2_ATTENTION
@@ -1030,11 +1187,12 @@ static inline __attribute__((always_inline)) void scores_of_groups(
     }
 }
 
-static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
-                               int64_t context_len, const int32_t *table, const void *key_cache,
-                               const void *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                               const float *sinks, float *restrict scratch) {
+/* CAPPED: softcap != 0, a constant (prefill_task_lanes below compiles this twice). */
+static inline __attribute__((always_inline)) void prefill_task_lanes_any(
+        const int CAPPED, const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
+        int64_t context_len, const int32_t *table, const void *key_cache, const void *value_cache, int64_t g,
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+        const float *sinks, float softcap, float *restrict scratch) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0), groups = (real_rows + LANES - 1) / LANES;
     float *restrict qt = scratch;                                   /* [groups][head_dim][LANES], scaled */
@@ -1086,6 +1244,10 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
           for (int k = 0; k < ng; ++k) {
             const int64_t gi = g0 + k;
             __m256 *s = scores[k];
+            if (CAPPED) {   /* before the mask, as the reference; lanes past the keys are masked below */
+                const __m256 inv = _mm256_set1_ps(1.0f / softcap), cap = _mm256_set1_ps(softcap);
+                _Pragma("GCC unroll 16") for (int t = 0; t < PREFILL_KEY_BLOCK; ++t) s[t] = cap_ps256(s[t], inv, cap);
+            }
             /* causal mask: row r sees key j0 + t when t < keys and position[r] >= j0 + t; under a
              * window also position[r] < j0 + t + window (prefill() passes a window only when it
              * is shorter than the sequence, so that sum fits an int) */
@@ -1137,6 +1299,19 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
         }
     }
 }
+
+static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_t row0, int64_t i0, int64_t i1,
+                               int64_t context_len, const int32_t *table, const void *key_cache,
+                               const void *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                               const float *sinks, float softcap, float *restrict scratch) {
+#define TASK(CAPPED) prefill_task_lanes_any(CAPPED, query, out, is_bf16, row0, i0, i1, context_len, table, key_cache, \
+                                            value_cache, g, num_heads, num_kv_heads, head_dim, block_size, scale, \
+                                            window, sinks, softcap, scratch)
+    if (softcap != 0.0f) TASK(1);
+    else TASK(0);
+#undef TASK
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -1163,11 +1338,12 @@ static int64_t prefill_dp_scratch_bytes(int64_t rows, int64_t head_dim) {
            + sizeof(float) * PREFILL_ROW_BLOCK * (PREFILL_KEY_BLOCK + 2);  /* probabilities, maxima, corrections */
 }
 
+/* VEC: head_dim / 32; CAPPED: softcap != 0. Both constants (prefill_task_dp_any). */
 static inline __attribute__((always_inline)) void prefill_task_dp(
-        const int VEC, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1, int64_t context_len,
-        const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g, int64_t num_heads,
-        int64_t num_kv_heads, int64_t block_size, float scale, int64_t window, const float *sinks, int64_t rows,
-        void *scratch) {
+        const int VEC, const int CAPPED, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+        int64_t context_len, const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g,
+        int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale, int64_t window, const float *sinks,
+        float softcap, int64_t rows, void *scratch) {
     const int64_t head_dim = 32 * VEC, group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0);
     bf16_t *restrict q = scratch;                                /* [rows][head_dim] */
@@ -1235,8 +1411,15 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
                 }
             }
             const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-            _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr)
-                s[rr] = _mm512_mask_mul_ps(minus_inf, masks[rr], s[rr], _mm512_set1_ps(scale));
+            if (CAPPED) {   /* scaled, capped, then masked (the reference's order) */
+                const __m512 inv = _mm512_set1_ps(1.0f / softcap), cap = _mm512_set1_ps(softcap);
+                _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr)
+                    s[rr] = _mm512_mask_mov_ps(minus_inf, masks[rr],
+                                               cap_ps512(_mm512_mul_ps(s[rr], _mm512_set1_ps(scale)), inv, cap));
+            } else {
+                _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr)
+                    s[rr] = _mm512_mask_mul_ps(minus_inf, masks[rr], s[rr], _mm512_set1_ps(scale));
+            }
             /* per row: the new running max; rows that see no key of the block keep theirs */
             const __m512 block_max = reduce_lanes_16(s, 1), old_max = _mm512_loadu_ps(row_max + r0);
             const __mmask16 active = _mm512_cmp_ps_mask(block_max, minus_inf, _CMP_GT_OQ);
@@ -1280,25 +1463,31 @@ static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, 
                                 int64_t context_len, const int32_t *table, const bf16_t *key_cache,
                                 const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                                const float *sinks, int64_t rows, void *scratch) {
-#define TASK(V) prefill_task_dp(V, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, num_heads, \
-                                num_kv_heads, block_size, scale, window, sinks, rows, scratch)
-    if (head_dim == 32) TASK(1);
-    else if (head_dim == 64) TASK(2);
-    else TASK(4);
+                                const float *sinks, float softcap, int64_t rows, void *scratch) {
+#define TASK(V, C) prefill_task_dp(V, C, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, \
+                                   num_heads, num_kv_heads, block_size, scale, window, sinks, softcap, rows, scratch)
+    if (softcap != 0.0f) {
+        if (head_dim == 32) TASK(1, 1);
+        else if (head_dim == 64) TASK(2, 1);
+        else TASK(4, 1);
+    } else {
+        if (head_dim == 32) TASK(1, 0);
+        else if (head_dim == 64) TASK(2, 0);
+        else TASK(4, 0);
+    }
 #undef TASK
 }
 #endif
 
 /* Every prefill sequence of a step: sequence s owns packed rows q_starts[s] ..
  * q_starts[s] + q_lens[s], the last q_lens[s] of its seq_lens[s] tokens. Tasks (sequence,
- * KV head, query tile) go to OpenMP threads. ``window`` and ``sinks`` as the file's first
- * comment says. Returns 0, or -1 when scratch allocation failed. */
+ * KV head, query tile) go to OpenMP threads. ``window``, ``sinks`` and ``softcap`` as the file's
+ * first comment says. Returns 0, or -1 when scratch allocation failed. */
 static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_starts, const int64_t *q_lens,
                    const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                    const void *key_cache, const void *value_cache, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                   const float *sinks, int num_threads) {
+                   const float *sinks, float softcap, int num_threads) {
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
         num_tasks += num_kv_heads * ((q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE);
@@ -1334,7 +1523,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
             }
             prefill_task_dp_any(query, out, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
                                 block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
-                                num_kv_heads, head_dim, block_size, scale, task_window, sinks,
+                                num_kv_heads, head_dim, block_size, scale, task_window, sinks, softcap,
                                 (group * (i1 - i0) + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK * PREFILL_ROW_BLOCK,
                                 scratch);
             free(scratch);
@@ -1350,7 +1539,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
             }
             prefill_task_lanes(query, out, is_bf16, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
                                block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
-                               num_kv_heads, head_dim, block_size, scale, task_window, sinks, scratch);
+                               num_kv_heads, head_dim, block_size, scale, task_window, sinks, softcap, scratch);
             free(scratch);
             continue;
         }
@@ -1362,19 +1551,32 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         }
         prefill_task(query, out, is_bf16, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
                      block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads, num_kv_heads,
-                     head_dim, block_size, scale, task_window, sinks, task_rows, scratch);
+                     head_dim, block_size, scale, task_window, sinks, softcap, task_rows, scratch);
         free(scratch);
     }
     return failed ? -1 : 0;
 }
 
+/* The exported prefill functions: as the decode ones, the old arguments run uncapped (decoder.c
+ * calls them), the _softcap ones take ``softcap`` (0: off) before num_threads. */
 int paged_prefill_attention_f32(const float *query, float *out, const int64_t *q_starts, const int64_t *q_lens,
                                 const int64_t *seq_lens, const int32_t *block_tables, int64_t block_table_stride,
                                 const float *key_cache, const float *value_cache, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                 int64_t window, const float *sinks, int num_threads) {
     return prefill(query, out, 0, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
-                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks,
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, 0.0f,
+                   num_threads);
+}
+
+int paged_prefill_attention_softcap_f32(const float *query, float *out, const int64_t *q_starts,
+                                        const int64_t *q_lens, const int64_t *seq_lens, const int32_t *block_tables,
+                                        int64_t block_table_stride, const float *key_cache, const float *value_cache,
+                                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                        int64_t block_size, float scale, int64_t window, const float *sinks,
+                                        float softcap, int num_threads) {
+    return prefill(query, out, 0, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, softcap,
                    num_threads);
 }
 
@@ -1384,6 +1586,18 @@ int paged_prefill_attention_bf16(const bf16_t *query, bf16_t *out, const int64_t
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                  float scale, int64_t window, const float *sinks, int num_threads) {
     return prefill(query, out, 1, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
-                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks,
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, 0.0f,
+                   num_threads);
+}
+
+int paged_prefill_attention_softcap_bf16(const bf16_t *query, bf16_t *out, const int64_t *q_starts,
+                                         const int64_t *q_lens, const int64_t *seq_lens,
+                                         const int32_t *block_tables, int64_t block_table_stride,
+                                         const bf16_t *key_cache, const bf16_t *value_cache, int64_t num_seqs,
+                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                         int64_t block_size, float scale, int64_t window, const float *sinks,
+                                         float softcap, int num_threads) {
+    return prefill(query, out, 1, q_starts, q_lens, seq_lens, block_tables, block_table_stride, key_cache,
+                   value_cache, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, softcap,
                    num_threads);
 }

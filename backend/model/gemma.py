@@ -1,5 +1,6 @@
-"""Gemma 3's text decoder (``model_type`` gemma3_text), as transformers' ``Gemma3ForCausalLM``
-computes it, over the Llama decoder's packed batch and paged KV cache.
+"""Gemma 2's and Gemma 3's text decoders (``model_type`` gemma2, gemma3_text), as transformers'
+``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` compute them, over the Llama decoder's packed
+batch and paged KV cache.
 
 What differs from Llama (backend/model/llama.py), each switch read from config.json into the
 architecture (backend/model/architecture.py):
@@ -7,12 +8,15 @@ architecture (backend/model/architecture.py):
 - embeddings times sqrt(hidden_size), the factor first rounded to the weights' dtype;
 - RMSNorm scaling by (1 + w), normalised and scaled in float32 and cast once
   (``GemmaRMSNorm``); four a layer: before and after attention, before and after the MLP (the
-  "after" ones on the branch, before its residual add), and one on each q and k head;
-- attention scaled by ``query_pre_attn_scalar ** -0.5`` (``Attention.scale``);
+  "after" ones on the branch, before its residual add), and (Gemma 3) one on each q and k head;
+- attention scaled by ``query_pre_attn_scalar ** -0.5`` (``Attention.scale``), its scores
+  soft-capped where ``attn_logit_softcapping`` is set (Gemma 2: softcap * tanh(s / softcap),
+  in every attention backend);
 - GeGLU: ``down(gelu_tanh(gate) * up)`` on our fused gate|up projection;
-- windowed layers (``layer_types``, 5 local : 1 global by default) rotate with their own RoPE
-  base (``rope_local_base_freq``, default RoPE), the global ones with ``rope_theta`` and any
-  scaling; cos/sin computed once a step for each kind;
+- windowed layers (``layer_types``; Gemma 3: 5 local : 1 global by default, Gemma 2: every
+  other layer); Gemma 3's rotate with their own RoPE base (``rope_local_base_freq``, default
+  RoPE), the global ones with ``rope_theta`` and any scaling; cos/sin computed once a step for
+  each kind;
 - ``final_logit_softcapping``: logits := tanh(logits / c) * c;
 - the head tied to the embeddings (transformers' default for the family).
 
@@ -53,13 +57,14 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaAttention(Attention):
-    """Llama's attention with Gemma's q/k norms; its scale (query_pre_attn_scalar) and window
-    come from the architecture as for any family."""
+    """Llama's attention with Gemma's q/k norms where the family has them (Gemma 3); its scale
+    (query_pre_attn_scalar), window and soft-cap come from the architecture as for any family."""
 
     def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int) -> None:
         super().__init__(arch, attention_backend, layer)
-        self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, arch.norm_weight_offset)
-        self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, arch.norm_weight_offset)
+        if arch.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, arch.norm_weight_offset)
+            self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, arch.norm_weight_offset)
 
 
 class GeGLUMLP(MLP):
@@ -75,7 +80,7 @@ class GeGLUMLP(MLP):
         return out
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """transformers' parameter names: the checkpoint maps as Llama's (q/k/v and gate/up fused)."""
 
     def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int) -> None:
@@ -92,10 +97,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm()
 
 
-class Gemma3CausalLM(CausalLM):
+class GemmaCausalLM(CausalLM):
     def __init__(self, arch: ModelArchitecture, attention_backend: AttentionBackend | str = "reference") -> None:
         if arch.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma 3's MLP is GeGLU (gelu_pytorch_tanh), not {arch.hidden_act!r}")
+            raise ValueError(f"Gemma's MLP is GeGLU (gelu_pytorch_tanh), not {arch.hidden_act!r}")
         super().__init__(arch, attention_backend)
         self.model.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)
         # The windowed layers' RoPE where their base is their own (the loader sets it again
@@ -106,7 +111,7 @@ class Gemma3CausalLM(CausalLM):
         self._embedding_scales: dict[torch.dtype, float] = {}
 
     def make_layer(self, arch: ModelArchitecture, attention_backend: AttentionBackend, layer: int) -> nn.Module:
-        return Gemma3DecoderLayer(arch, attention_backend, layer)
+        return GemmaDecoderLayer(arch, attention_backend, layer)
 
     def use_fused_layer_ops(self, enabled: bool) -> str | None:
         """None, whatever ``enabled``: the fused C/Triton ops (residual add + RMSNorm, RoPE +
