@@ -3,6 +3,8 @@ round-robin, on a shared-prefix workload that sends no client key (docs/scaling.
 
     python -m benchmarks.kv_routing [--quick] [--modes dynamo-kv,haproxy-affinity,round-robin]
         [--replicas 2] [--concurrency 4] [--seed 0] [--out benchmarks/results/...json]
+    python -m benchmarks.kv_routing --kill-burst [--burst 12] [--burst-prompt-tokens 256]
+        [--burst-max-tokens 256] [--kill-variants after-first-token,before-first-token,burst-after-kill]
         (workload shape: --systems --documents --systems-per-document --questions
          --conversations --turns --system-tokens --document-tokens --question-tokens
          --turn-tokens --answer-tokens --max-tokens)
@@ -31,6 +33,26 @@ summed over the replicas' ``llm_prefix_cache_*_tokens_total``), TTFT p50 / p99 /
 client (first streamed text), requests per replica (``llm_request_finished_total``), errors.
 ``--quick``: a small workload and replicas without the step-cost calibration, about a minute
 in all; its figures mean nothing beyond "it runs".
+
+``--kill-burst`` measures something else on the same kind of cluster (supervised replicas,
+Dynamo's frontend with the launcher's migration limit): a replica killed under a burst, and
+what is lost. Each variant sends ``--burst`` concurrent streamed /v1/completions (distinct
+prompts of ``--burst-prompt-tokens``, ``--burst-max-tokens`` greedy tokens each, ignore_eos)
+and SIGKILLs one replica's tritonserver (the busier one; its supervisor restarts it):
+
+- ``after-first-token``: once every request has streamed its first token;
+- ``before-first-token``: once a quarter of them have, so that some have not started;
+- ``burst-after-kill``: the replica is killed first and the burst sent at once (the shape of
+  the HAProxy cluster's failover test).
+
+Every request is accounted for: completed in full (how many tokens; migrated, i.e. routed to
+the killed replica, by the worker id the frontend reports once per request with
+``nvext.extra_fields: ["worker_id"]``, and completed anyway: Dynamo's request migration
+continued it on another), failed after streaming tokens, failed before any; with the
+frontend's migration counter and what its log says of each migration and failure; and the
+recovery: when the killed replica's worker left Dynamo's routing pool (the frontend's
+/health), when the replica was ready again, when its worker rejoined.
+Results go to ``benchmarks/results/kv_routing_kill-<host>.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -40,11 +62,14 @@ import http.client
 import json
 import platform
 import queue
+import re
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -244,6 +269,390 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f} s"
 
 
+# ---- a replica killed under a burst (--kill-burst) ----------------------------------------------
+
+KILL_VARIANTS = ("after-first-token", "before-first-token", "burst-after-kill")
+KILL_QUICK = dict(burst=4, burst_prompt_tokens=64, burst_max_tokens=48)
+WORKER_ID_FIELDS = {"nvext": {"extra_fields": ["worker_id"]}}    # Dynamo's per-response worker ids
+
+
+@dataclass
+class BurstRequest:
+    """One streamed request of a burst, as the client saw it (times in seconds from the
+    variant's start; the kill's time is in the variant's summary)."""
+    index: int
+    prompt_tokens: int
+    sent_s: float
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    ended_s: float | None = None
+    text_chunks: int = 0                 # streamed events that carried text (one token each here)
+    text_chunks_before_kill: int = 0
+    completion_tokens: int | None = None     # the final usage chunk (the frontend's count)
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    workers: list[str] = field(default_factory=list)   # Dynamo worker ids reported (the first worker's only)
+    error: str | None = None
+    gap_across_kill_s: float | None = None   # last text before the kill to the first after it
+    outcome: str = ""                    # completed / failed-after-tokens / failed-before-tokens
+    on_killed_replica: bool | None = None    # routed to the killed replica's worker
+    migrated: bool | None = None         # on the killed replica and completed: continued on another
+
+
+def worker_id_of(event: dict) -> str | None:
+    """The worker id the frontend reports in ``nvext.worker_id`` (a number, or a map of
+    prefill/decode worker ids: the decode one here). Dynamo 1.6.1 reports it once per request,
+    for the worker it was first routed to, and not again after a migration."""
+    value = (event.get("nvext") or {}).get("worker_id")
+    if isinstance(value, dict):
+        value = next((value[k] for k in ("decode_worker_id", "worker_id", "prefill_worker_id")
+                      if value.get(k) is not None), None)
+    return None if value is None else str(value)
+
+
+def stream_burst_request(http_url: str, model: str, request: BurstRequest, prompt: str, max_tokens: int,
+                         t0: float, kill: dict, lock: threading.Lock, worker_ids: bool) -> None:
+    """Send one streamed completion and record, as it goes, what arrives (the main thread reads
+    ``first_token_s`` to decide when to kill)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **(WORKER_ID_FIELDS if worker_ids else {})}
+    try:
+        for event in openai_stream(http_url, body, timeout=600):
+            now = time.perf_counter() - t0
+            if "error" in event:
+                raise RuntimeError(str(event["error"]))
+            worker = worker_id_of(event)
+            text = any(c.get("text") for c in event.get("choices") or [])
+            with lock:
+                if worker is not None and (not request.workers or request.workers[-1] != worker):
+                    request.workers.append(worker)
+                if text:
+                    killed_at = kill.get("t_s")
+                    if killed_at is None or now < killed_at:
+                        request.text_chunks_before_kill += 1
+                    elif request.gap_across_kill_s is None:
+                        request.gap_across_kill_s = now - (request.last_token_s if request.last_token_s is not None
+                                                           else killed_at)
+                    request.text_chunks += 1
+                    request.last_token_s = now
+                    if request.first_token_s is None:
+                        request.first_token_s = now
+                for choice in event.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        request.finish_reason = choice["finish_reason"]
+                usage = event.get("usage") or {}
+                if usage.get("completion_tokens") is not None:
+                    request.completion_tokens = int(usage["completion_tokens"])
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    request.cached_tokens = int(details["cached_tokens"])
+        if request.finish_reason is None:
+            raise RuntimeError("the stream ended without a finish_reason")
+    except Exception as exc:  # noqa: BLE001 - recorded per request
+        with lock:
+            request.error = f"{type(exc).__name__}: {exc}"[:500]
+    with lock:
+        request.ended_s = time.perf_counter() - t0
+
+
+def generate_instance_ids(cluster) -> set[str]:
+    """The workers Dynamo's frontend routes the model to now (its /health)."""
+    from server.dynamo_cluster import get_json
+
+    health = get_json(f"http://{cluster.http_url}/health", timeout=1.0)
+    if not isinstance(health, dict):
+        return set()
+    return {str(i.get("instance_id", json.dumps(i, sort_keys=True))) for i in health.get("instances", [])
+            if i.get("endpoint") == "generate" and i.get("namespace") == cluster.namespace}
+
+
+def replica_ready(endpoint, timeout: float = 0.5) -> bool:
+    from server.launch import MODEL_NAME
+
+    try:
+        with urllib.request.urlopen(f"http://{endpoint.host}:{endpoint.http_port}/v2/models/{MODEL_NAME}/ready",
+                                    timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class PoolWatch(threading.Thread):
+    """Every 50 ms from before the kill: which workers the frontend routes to, and whether the
+    killed replica answers ready; until its worker has rejoined and it is ready again."""
+
+    def __init__(self, cluster, victim: int, t0: float, before: set[str], timeout_s: float) -> None:
+        super().__init__(name="pool-watch", daemon=True)
+        self.cluster, self.endpoint, self.t0, self.before = cluster, cluster.endpoints[victim], t0, before
+        self.timeout_s = timeout_s
+        self.killed_s: float | None = None
+        self.left_s = self.rejoined_s = self.down_s = self.ready_s = None
+        self.left_ids: set[str] = set()
+        self.transitions: list[dict] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        last = None
+        while not self._halt.wait(0.05):
+            ids, ready = generate_instance_ids(self.cluster), replica_ready(self.endpoint)
+            now = time.perf_counter() - self.t0
+            state = (sorted(ids), ready)
+            if state != last:
+                self.transitions.append({"t_s": round(now, 3), "instances": sorted(ids), "replica_ready": ready})
+                last = state
+            if self.killed_s is None:
+                continue
+            if self.left_s is None and self.before - ids:
+                self.left_s, self.left_ids = now, self.before - ids
+            if self.left_s is not None and self.rejoined_s is None and self.left_ids <= ids:
+                self.rejoined_s = now
+            if self.down_s is None and not ready:
+                self.down_s = now
+            if self.down_s is not None and self.ready_s is None and ready:
+                self.ready_s = now
+            recovered = self.ready_s is not None and (self.rejoined_s is not None
+                                                      or (self.left_s is None and now - self.ready_s > 10))
+            if recovered or now - self.killed_s > self.timeout_s:
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def summary(self) -> dict:
+        def since_kill(t: float | None) -> float | None:
+            return None if t is None or self.killed_s is None else round(t - self.killed_s, 3)
+
+        return {"left_pool_s": since_kill(self.left_s), "replica_not_ready_s": since_kill(self.down_s),
+                "replica_ready_again_s": since_kill(self.ready_s), "rejoined_pool_s": since_kill(self.rejoined_s),
+                "killed_worker_ids": sorted(self.left_ids), "transitions": self.transitions}
+
+
+def migration_counts(cluster) -> dict[str, float]:
+    """The frontend's request migrations so far, by type (Dynamo's ``*model_migration_total``:
+    ``ongoing_request``, a stream cut mid-way; ``new_request``, a worker that refused one)."""
+    counts: dict[str, float] = {}
+    try:
+        text = cluster.frontend_metrics()
+    except OSError:
+        return counts
+    for match in re.finditer(r"^\w*model_migration_total(?:\{([^}]*)\})? (\S+)$", text, re.MULTILINE):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        kind = labels.get("migration_type", "all")
+        counts[kind] = counts.get(kind, 0.0) + float(match.group(2))
+    return counts
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def log_lines_since(path: Path | None, offset: int, pattern: str, keep: int = 8) -> tuple[int, list[str]]:
+    """How many lines written to ``path`` after ``offset`` match ``pattern``, and the first ``keep``
+    (without terminal colours)."""
+    if path is None or not path.is_file():
+        return 0, []
+    with open(path, "rb") as log:
+        log.seek(offset)
+        lines = [ANSI.sub("", line.decode("utf-8", "replace")).rstrip() for line in log]
+    found = [line for line in lines if re.search(pattern, line)]
+    return len(found), [line[:600] for line in found[:keep]]
+
+
+def frontend_log_since(path: Path | None, offset: int) -> dict:
+    """What Dynamo's frontend logged about the variant's failures: migrations scheduled (with the
+    tokens each request had streamed), routed requests that failed by error type, and the
+    diagnostics of the failures it returned to clients."""
+    _, scheduled = log_lines_since(path, offset, r"migration retry scheduled", keep=10**6)
+    _, failed = log_lines_since(path, offset, r"route request failed", keep=10**6)
+    _, returned = log_lines_since(path, offset, r"Semantic streaming failure", keep=10**6)
+    types: dict[str, int] = {}
+    for line in failed:
+        match = re.search(r'error\.type="([^"]+)"', line)
+        types[match.group(1) if match else "?"] = types.get(match.group(1) if match else "?", 0) + 1
+    return {"migrations_scheduled": len(scheduled),
+            "migrated_after_tokens": sorted(int(m.group(1)) for line in scheduled
+                                            if (m := re.search(r"migration\.tokens_completed=(\d+)", line))),
+            "route_failures_by_type": types,
+            "errors_returned": [m.group(1) if (m := re.search(r"diagnostic=(.*?) method=", line)) else line[-200:]
+                                for line in returned]}
+
+
+def log_size(path: Path | None) -> int:
+    return path.stat().st_size if path is not None and path.is_file() else 0
+
+
+def busiest_replica(cluster) -> tuple[int, list[float]]:
+    """The replica with the most requests running or waiting (the first on a tie)."""
+    loads = []
+    for url in cluster.metrics_urls:
+        row = sample_one(url)
+        loads.append((row["running"] or 0.0) + (row["waiting"] or 0.0))
+    return max(range(len(loads)), key=lambda i: (loads[i], -i)), loads
+
+
+def kill_variant(cluster, variant: str, args: argparse.Namespace, prompts: PromptFactory, seed: int,
+                 worker_ids: bool) -> dict:
+    """One burst, one SIGKILL, every request accounted for (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    texts = [prompts.text(args.burst_prompt_tokens, rng) for _ in range(args.burst)]
+    before_ids = generate_instance_ids(cluster)
+    if len(before_ids) != len(cluster.endpoints):
+        raise RuntimeError(f"{variant}: the frontend routes to {sorted(before_ids)}, not one worker per replica")
+    migrations_before = migration_counts(cluster)
+    finished_before = finished_per_replica(cluster.metrics_urls)
+    frontend_log = cluster.log_dir / "frontend.log" if cluster.log_dir else None
+    worker_logs = [cluster.log_dir / f"worker-{e.name}.log" if cluster.log_dir else None for e in cluster.endpoints]
+    offsets = [log_size(frontend_log)] + [log_size(p) for p in worker_logs]
+    restarts_before = [s.restarts for s in cluster.servers]
+    lock, kill = threading.Lock(), {}
+    t0 = time.perf_counter()
+    requests = [BurstRequest(i, args.burst_prompt_tokens, 0.0) for i in range(args.burst)]
+
+    def start_burst() -> list[threading.Thread]:
+        threads = []
+        for request, text in zip(requests, texts):
+            request.sent_s = time.perf_counter() - t0
+            thread = threading.Thread(target=stream_burst_request, daemon=True,
+                                      args=(cluster.http_url, cluster.served_model_name, request, text,
+                                            args.burst_max_tokens, t0, kill, lock, worker_ids))
+            thread.start()
+            threads.append(thread)
+        return threads
+
+    def do_kill(victim: int) -> tuple[PoolWatch, int]:
+        watch = PoolWatch(cluster, victim, t0, before_ids, timeout_s=args.recovery_timeout)
+        watch.start()
+        with lock:
+            pid = cluster.kill_replica(victim)
+            kill["t_s"] = watch.killed_s = time.perf_counter() - t0
+        return watch, pid
+
+    loads: list[float] = []
+    if variant == "burst-after-kill":
+        victim = 0
+        watch, pid = do_kill(victim)
+        threads = start_burst()
+    else:
+        threads = start_burst()
+        need = args.burst if variant == "after-first-token" else max(1, args.burst // 4)
+        deadline = time.monotonic() + 300
+        while True:
+            with lock:
+                started = sum(r.first_token_s is not None for r in requests)
+                ended = sum(r.ended_s is not None for r in requests)
+            if started >= need:
+                break
+            if ended or time.monotonic() > deadline:
+                raise RuntimeError(f"{variant}: {started} of {args.burst} requests streamed a token and {ended} "
+                                   "ended before the kill (see the results' errors)")
+            time.sleep(0.005)
+        victim, loads = busiest_replica(cluster)
+        watch, pid = do_kill(victim)
+    killed_s = kill["t_s"]
+    for thread in threads:
+        thread.join(timeout=900)
+    watch.join(timeout=args.recovery_timeout + 30)
+    watch.stop()
+    time.sleep(1.0)    # the counters are exported after the step that finished the last request
+    finished_after = []
+    for url in cluster.metrics_urls:
+        try:
+            finished_after.append(sample_one(url)["finished_requests"] or 0.0)
+        except OSError:     # a replica that did not come back
+            finished_after.append(float("nan"))
+    migrations_after = migration_counts(cluster)
+    recovery = watch.summary()
+    killed_ids = set(recovery["killed_worker_ids"])
+    for r in requests:
+        r.outcome = ("completed" if r.error is None else
+                     "failed-after-tokens" if r.text_chunks else "failed-before-tokens")
+        if r.workers and killed_ids:
+            r.on_killed_replica = r.workers[0] in killed_ids
+        elif worker_ids and r.outcome == "failed-before-tokens":
+            r.on_killed_replica = None      # no response at all: the frontend's log says where it went
+        if r.on_killed_replica is not None:
+            # Completed after the kill, with the killed replica down for seconds: continued elsewhere.
+            r.migrated = bool(r.on_killed_replica and r.outcome == "completed")
+    completed = [r for r in requests if r.outcome == "completed"]
+    migrated = [r for r in requests if r.migrated]
+    on_victim = [r for r in requests if r.on_killed_replica]
+    gaps = [r.gap_across_kill_s for r in migrated if r.gap_across_kill_s is not None]
+    frontend_log_summary = frontend_log_since(frontend_log, offsets[0])
+    worker_count, worker_lines = log_lines_since(worker_logs[victim], offsets[1 + victim], r"routing pool")
+    summary = {
+        "variant": variant, "killed_replica": cluster.endpoints[victim].name, "killed_pid": pid,
+        "killed_at_s": round(killed_s, 3), "load_at_kill_running_plus_waiting": loads,
+        "sent": len(requests),
+        "had_first_token_at_kill": sum(r.text_chunks_before_kill > 0 for r in requests),
+        "completed": len(completed),
+        "completed_full_length": sum(r.completion_tokens == args.burst_max_tokens for r in completed),
+        "completion_tokens": sorted({r.completion_tokens for r in completed if r.completion_tokens is not None}),
+        "on_killed_replica": len(on_victim) if worker_ids else None,
+        "migrated": len(migrated) if worker_ids else None,
+        "migrated_completed": sum(r.outcome == "completed" for r in migrated) if worker_ids else None,
+        "on_killed_replica_without_token_at_kill": (sum(r.text_chunks_before_kill == 0 for r in on_victim)
+                                                    if worker_ids else None),
+        "migrated_with_tokens_before_kill": sum(r.text_chunks_before_kill > 0 for r in migrated) if worker_ids else None,
+        "failed_after_tokens": sum(r.outcome == "failed-after-tokens" for r in requests),
+        "failed_before_tokens": sum(r.outcome == "failed-before-tokens" for r in requests),
+        "migrated_stall_s": {"max": max(gaps), "median": float(np.median(gaps))} if gaps else None,
+        "ttft_max_s": max((r.first_token_s - r.sent_s for r in requests if r.first_token_s is not None), default=None),
+        "wall_s": round(max((r.ended_s or 0.0) for r in requests), 3),
+        "recovery": recovery,
+        "supervisor_restarts": [s.restarts - b for s, b in zip(cluster.servers, restarts_before)],
+        "frontend_migrations": {k: migrations_after.get(k, 0.0) - migrations_before.get(k, 0.0)
+                                for k in sorted(set(migrations_after) | set(migrations_before))},
+        "worker_ids": sorted(before_ids),
+        # requests each replica finished during the variant; the killed one's counter starts
+        # again at 0 with its restart, so its figure counts from then
+        "finished_per_replica": {e.name: a if i == victim else a - b for i, (e, a, b)
+                                 in enumerate(zip(cluster.endpoints, finished_after, finished_before))},
+        "frontend_log": frontend_log_summary,
+        "killed_worker_log": {"matching_lines": worker_count, "first": worker_lines},
+        "errors": sorted({r.error for r in requests if r.error})[:8],
+        "requests": [asdict(r) for r in requests],
+    }
+    print(f"{variant}: killed {summary['killed_replica']} at {killed_s:.2f} s ({summary['had_first_token_at_kill']}"
+          f"/{len(requests)} had a token); completed {len(completed)} ({summary['completed_full_length']} of "
+          f"{args.burst_max_tokens} tokens), on the killed replica {summary['on_killed_replica']}, migrated "
+          f"{summary['migrated']}, failed after tokens {summary['failed_after_tokens']}, before tokens "
+          f"{summary['failed_before_tokens']}; worker left the pool {_s(recovery['left_pool_s'])}, replica ready "
+          f"{_s(recovery['replica_ready_again_s'])}, rejoined {_s(recovery['rejoined_pool_s'])} after the kill; "
+          f"frontend migrations {summary['frontend_migrations']}"
+          + (f"; errors: {summary['errors'][:2]}" if summary["errors"] else ""), flush=True)
+    return summary
+
+
+def wait_recovered(cluster, timeout: float = 300.0) -> None:
+    """Every replica ready and the frontend routing to one worker per replica."""
+    deadline = time.monotonic() + timeout
+    while not (len(generate_instance_ids(cluster)) == len(cluster.endpoints)
+               and all(replica_ready(e) for e in cluster.endpoints)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the cluster did not recover: " + str(sorted(generate_instance_ids(cluster))))
+        time.sleep(0.2)
+
+
+def probe_worker_ids(cluster) -> bool:
+    """Whether the frontend reports worker ids (``nvext.extra_fields``) on this Dynamo."""
+    body = {"model": cluster.served_model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0.0,
+            "stream_options": {"include_usage": True}, **WORKER_ID_FIELDS}
+    try:
+        return any(worker_id_of(event) for event in openai_stream(cluster.http_url, body, timeout=120))
+    except Exception as exc:  # noqa: BLE001 - the measurement goes on without them
+        print(f"no worker ids from the frontend ({exc}); migrations are counted, not attributed", flush=True)
+        return False
+
+
+def measure_kill_burst(cluster, args: argparse.Namespace, prompts: PromptFactory) -> dict[str, dict]:
+    worker_ids = probe_worker_ids(cluster)
+    results: dict[str, dict] = {"worker_ids_reported": worker_ids}
+    for n, variant in enumerate(args.kill_variants):
+        wait_recovered(cluster)
+        time.sleep(2.0)
+        results[variant] = kill_variant(cluster, variant, args, prompts, args.seed + 1000 + n, worker_ids)
+    return results
+
+
 def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small workload, about a minute in all")
@@ -268,6 +677,15 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for Dynamo's frontend (its router's weights, e.g. "
                              "--frontend-arg=--router-prefill-load-scale=4); Dynamo's defaults otherwise")
+    parser.add_argument("--kill-burst", action="store_true",
+                        help="measure a replica killed under a burst instead of the routings")
+    parser.add_argument("--kill-variants", default=",".join(KILL_VARIANTS),
+                        help=f"comma-separated, of {', '.join(KILL_VARIANTS)}")
+    parser.add_argument("--burst", type=int, default=12, help="--kill-burst: concurrent requests per variant")
+    parser.add_argument("--burst-prompt-tokens", type=int, default=256)
+    parser.add_argument("--burst-max-tokens", type=int, default=256)
+    parser.add_argument("--recovery-timeout", type=float, default=300.0,
+                        help="--kill-burst: how long to wait for the killed replica to rejoin")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="the replicas', Dynamo's and HAProxy's logs (default: a new temporary folder)")
@@ -280,13 +698,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:    # the quick shape, except what was given on the command line
         given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])}
-        for key, value in QUICK.items():
+        for key, value in {**QUICK, **(KILL_QUICK if args.kill_burst else {})}.items():
             if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    args.kill_variants = [v.strip() for v in args.kill_variants.split(",") if v.strip()]
+    unknown = set(args.kill_variants) - set(KILL_VARIANTS)
+    if unknown:
+        parser.error(f"unknown kill variants {sorted(unknown)}; choose from {KILL_VARIANTS}")
     return args
 
 
@@ -346,23 +768,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"logs in {args.log_dir}", flush=True)
     prompts = PromptFactory.for_model(args.model_dir)
     started = time.perf_counter()
+    # --kill-burst: supervised replicas (the supervisor restarts the one killed), the launcher's
+    # migration limit (DynamoCluster's default, as `make dynamo-cluster`).
     cluster = DynamoCluster(args.replicas, base_port=None, params=params, log_dir=args.log_dir,
-                            frontend_args=args.frontend_arg)
+                            frontend_args=args.frontend_arg, supervise=args.kill_burst)
     cluster.start()
     try:
         print(f"{args.replicas} replicas ready in {time.perf_counter() - started:.0f} s (Dynamo's frontend on "
               f"{cluster.http_url})", flush=True)
-        results = measure(cluster, args, prompts)
+        results = measure_kill_burst(cluster, args, prompts) if args.kill_burst else measure(cluster, args, prompts)
     finally:
         cluster.stop()
+    name = "kv_routing_kill" if args.kill_burst else "kv_routing"
     # A quick run's figures are not results: they go to the temporary directory unless --out.
-    out = args.out or (Path(tempfile.gettempdir()) / "kv_routing-quick.json" if args.quick
-                       else RESULTS_DIR / f"kv_routing-{platform.node() or 'host'}.json")
+    out = args.out or (Path(tempfile.gettempdir()) / f"{name}-quick.json" if args.quick
+                       else RESULTS_DIR / f"{name}-{platform.node() or 'host'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "settings": {k: str(v) for k, v in vars(args).items()}, "params": params,
-                               **results}, indent=2))
+                               "migration_limit": cluster.migration_limit, **results}, indent=2))
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s in all)")
     return 0
 

@@ -317,6 +317,15 @@ class DynamoCluster:
         raise TimeoutError(f"no KV event of replica {self.endpoints[index].name} reached Dynamo's router "
                            f"(tcp://127.0.0.1:{self.kv_event_ports[index]})")
 
+    def kill_replica(self, index: int) -> int:
+        """SIGKILL replica ``index``'s tritonserver (a crash, not a drain; its worker stays up).
+        A supervised replica is restarted by its supervisor. Returns the killed pid."""
+        process = self.servers[index].process
+        if process is None or process.poll() is not None:
+            raise RuntimeError(f"replica {self.endpoints[index].name} is not running")
+        os.kill(process.pid, signal.SIGKILL)
+        return process.pid
+
     def stop(self) -> None:
         """The frontend and the workers first (no new requests reach a replica), then the replicas."""
         children = [c for c in [self.frontend, *self.workers] if c is not None]

@@ -54,7 +54,7 @@ from dynamo._core import Context
 from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
 from dynamo.common.backend.publisher import KvEventSource, ZmqSource
 from dynamo.common.backend.run import run
-from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, StreamIncomplete, Unknown, WorkerUnavailable
+from dynamo.llm.exceptions import CannotConnect, EngineShutdown, InvalidArgument, StreamIncomplete, Unknown
 
 logger = logging.getLogger("dynamo_worker")
 
@@ -64,7 +64,8 @@ COMPONENT, ENDPOINT = "backend", "generate"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 # Our server's refusals that another replica (or the same one later) may accept: raised as
-# WorkerUnavailable, which Dynamo's request migration (--migration-limit) retries elsewhere.
+# CannotConnect, which Dynamo 1.6.1's request migration (--migration-limit) retries elsewhere
+# (it returns WorkerUnavailable to the client as an HTTP 500, unretried).
 RETRYABLE_MESSAGES = ("server is shutting down", "waiting queue is full", "engine is unhealthy",
                       "has no available versions", "Stub process")
 # Our server's finish reasons (vLLM's) as Dynamo names them: "abort" is a drained request.
@@ -261,7 +262,7 @@ class TritonReplicaEngine(LLMEngine):
             response = await self.session.post(f"{self.base_url}/generate_stream", json=body)
         except aiohttp.ClientError as exc:
             self._refused.set()
-            raise WorkerUnavailable(f"replica {self.args.name or self.args.triton_url} unreachable: {exc}") from exc
+            raise CannotConnect(f"replica {self.args.name or self.args.triton_url} unreachable: {exc}") from exc
         async with response:
             if response.status != 200:
                 # Triton refuses a request (INVALID_ARG, and UNAVAILABLE for a draining or full
@@ -306,11 +307,11 @@ class TritonReplicaEngine(LLMEngine):
                                f"final response after {generated} tokens")
 
     def _refusal(self, message: str, before_tokens: bool, invalid: bool = False) -> Exception:
-        """The error for Dynamo: WorkerUnavailable where another replica may serve the request
+        """The error for Dynamo: CannotConnect where another replica may serve the request
         (nothing was streamed yet), InvalidArgument for a request our server refused as such."""
         where = f"replica {self.args.name or self.args.triton_url}"
         if before_tokens and any(m in message for m in RETRYABLE_MESSAGES):
-            return WorkerUnavailable(f"{where}: {message}")
+            return CannotConnect(f"{where}: {message}")
         if invalid:
             return InvalidArgument(message)
         return Unknown(f"{where}: {message}")
