@@ -20,11 +20,15 @@ machines are shared; the best round counts), and their outputs are compared.
   prompt with K and V contiguous, as a fresh prompt's are before they reach the cache: whether
   torch's CPU flash attention (oneDNN's kernels, AMX where the CPU has it) would serve prompts
   faster than ours. Its output is compared with ours.
+  ``--fma`` also times, for bfloat16, the engine build with its float32-FMA prefill function
+  switched on (``engine+fma``) against the build's own (the AVX512_BF16 dot products where
+  built: ``dp``), round by round in one run, as the engine's start-up timing chooses between them.
 
     python -m benchmarks.cpu_attention                      # SmolLM2-135M's shape (9 heads, 3 KV heads, 64)
     python -m benchmarks.cpu_attention --block-order consecutive   # a fresh server's cache layout
     python -m benchmarks.cpu_attention --context 128 --against HEAD~1  # this tree's kernels against a commit's
     python -m benchmarks.cpu_attention --sdpa --layers 1 --rounds 5    # prefill: ours against torch's SDPA
+    python -m benchmarks.cpu_attention --dtypes bfloat16 --fma --no-decode --depth 3072   # dp against fma
 """
 
 from __future__ import annotations
@@ -119,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                                                          "instead of the generic build")
     parser.add_argument("--sdpa", action="store_true", help="also time torch's scaled_dot_product_attention "
                                                              "on the prefill")
+    parser.add_argument("--fma", action="store_true", help="bfloat16 prefill: also time the engine build with its "
+                                                            "float32-FMA function switched on (the start-up may "
+                                                            "choose it), against the build's own (dp) in one run")
+    parser.add_argument("--no-decode", action="store_true", help="time the prefill only")
     args = parser.parse_args(argv)
     extra = tuple(args.cflags.split())
     libraries = {"engine": cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + extra))}
@@ -144,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         query = torch.randn(args.seqs, args.heads, args.head_dim, generator=generator).to(dtype)
         rows, seq_lens = torch.arange(args.seqs), torch.tensor(lens)
         outs = {name: torch.empty_like(query) for name in libraries}
+        engine_fma = args.fma and dtype == torch.bfloat16
+        cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
 
         def decode(name: str) -> Callable[[], None]:
             def run() -> None:
@@ -151,14 +161,15 @@ def main(argv: list[str] | None = None) -> None:
                     cpu_native.paged_decode_attention(query, outs[name], rows, seq_lens, tables, key_cache,
                                                       value_cache, scale, library=libraries[name])
             return run
-        best = best_of(args.rounds, {name: decode(name) for name in libraries})
-        kv_bytes = sum(lens) * 2 * args.kv_heads * args.head_dim * query.element_size() * args.layers
-        diff = (outs["engine"].float() - outs[other].float()).abs().max().item()
         path = cpu_native.attention_path(dtype, args.head_dim, libraries["engine"])
-        print(f"| {dtype} | decode {args.seqs} x ~{args.context}, {args.layers} layers | {path} | "
-              f"{best['engine'] * 1e3:.2f} | {best[other] * 1e3:.2f} | "
-              f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best[other] / 1e9:.1f} GB/s | "
-              f"{best[other] / best['engine']:.2f}x | {diff:.1e} |")
+        if not args.no_decode:
+            best = best_of(args.rounds, {name: decode(name) for name in libraries})
+            kv_bytes = sum(lens) * 2 * args.kv_heads * args.head_dim * query.element_size() * args.layers
+            diff = (outs["engine"].float() - outs[other].float()).abs().max().item()
+            print(f"| {dtype} | decode {args.seqs} x ~{args.context}, {args.layers} layers | {path} | "
+                  f"{best['engine'] * 1e3:.2f} | {best[other] * 1e3:.2f} | "
+                  f"{kv_bytes / best['engine'] / 1e9:.1f} GB/s | {kv_bytes / best[other] / 1e9:.1f} GB/s | "
+                  f"{best[other] / best['engine']:.2f}x | {diff:.1e} |")
 
         # prefill: a chunk of --prompt tokens after --depth cached ones (0: a fresh prompt)
         total = args.depth + args.prompt
@@ -168,19 +179,34 @@ def main(argv: list[str] | None = None) -> None:
         starts, query_lens, seq_lens = torch.tensor([0]), torch.tensor([args.prompt]), torch.tensor([total])
         outs = {name: torch.empty_like(query) for name in libraries}
 
-        def prefill(name: str) -> Callable[[], None]:
-            return lambda: cpu_native.paged_prefill_attention(query, outs[name], starts, query_lens, seq_lens, tables,
-                                                              key_cache, value_cache, scale, library=libraries[name])
+        def prefill(name: str, fma: bool = False) -> Callable[[], None]:
+            library = libraries[name]
+
+            def run() -> None:
+                if name == "engine":     # the switch is the library's, process-wide: set before each call
+                    cpu_native.use_prefill_bf16_fma(fma, library)
+                cpu_native.paged_prefill_attention(query, outs[f"{name}+fma" if fma else name], starts, query_lens,
+                                                   seq_lens, tables, key_cache, value_cache, scale, library=library)
+            return run
         runs = {name: prefill(name) for name in libraries}
+        if engine_fma:
+            if cpu_native.use_prefill_bf16_fma(True, libraries["engine"]):
+                outs["engine+fma"] = torch.empty_like(query)
+                runs["engine+fma"] = prefill("engine", fma=True)
+            else:
+                print("(no float32-FMA bfloat16 prefill in this build: it needs AVX-512F)")
+            cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
         if args.sdpa and args.depth == 0:
             runs["sdpa"] = sdpa_prefill(query, key_cache, value_cache, tables[0], args.block_size, scale, outs)
         best = best_of(args.rounds, runs)
+        cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
         flops = 2 * 2 * args.heads * args.head_dim * (args.prompt * args.depth + args.prompt * (args.prompt + 1) / 2)
         for name in runs:
             if name == "engine":
                 continue
             diff = (outs["engine"].float() - outs[name].float()).abs().max().item()
-            function = path if name != "sdpa" else "torch SDPA (contiguous K, V)"
+            function = (path if name not in ("sdpa", "engine+fma") else "torch SDPA (contiguous K, V)"
+                        if name == "sdpa" else f"{path} against avx512-fma (FMA switched on)")
             print(f"| {dtype} | prefill {args.prompt} tokens at depth {args.depth} | {function} | {best['engine'] * 1e3:.2f} | "
                   f"{best[name] * 1e3:.2f} ({name}) | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
                   f"{flops / best[name] / 1e9:.0f} GFLOP/s | {best[name] / best['engine']:.2f}x | {diff:.1e} |")

@@ -19,6 +19,14 @@ it as paths, e.g. the AMX version's knobs:
 
     python -m benchmarks.cpu_linear --dtype bfloat16 --rows 1,2,4,16 --variant amx-from-1=-DAMX_MIN_ROWS=1 \
         --variant amx-no-prefetch=-DAMX_PREFETCH_TILES=0 --paths native,amx-from-1,amx-no-prefetch,onednn
+
+``native-dp`` and ``native-fma`` are our bfloat16 kernel with its float32-FMA version (AVX-512F
+builds) off and on from one row (``-DLINEAR_BF16_FMA_ROWS``; the engine's threshold comes from a
+timing at start-up, backend/model/cpu_linear_tuning.py, and ``native`` here runs with none set:
+the dot products). ``--per-shape`` prints GFLOP/s per projection shape (all the step's matmuls
+of that shape, one after another) and for the whole step, instead of the ms table:
+
+    python -m benchmarks.cpu_linear --dtype bfloat16 --rows 16,64,512 --paths native-dp,native-fma --per-shape
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
 
 NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16")
+# Our bfloat16 kernel with its float32-FMA version never run / run from one row.
+FMA_BUILDS = {"native-dp": ("-DLINEAR_BF16_FMA_ROWS=0",), "native-fma": ("-DLINEAR_BF16_FMA_ROWS=1",)}
 
 
 def kernel_build(cflags: tuple[str, ...], dtype: torch.dtype, revision: str | None = None
@@ -72,6 +82,8 @@ def main() -> None:
                         help="a build of our kernel for --dtype with these extra gcc flags, as path NAME")
     parser.add_argument("--against", metavar="REV",
                         help="adds paths 'this' (this tree's kernel) and REV (git revision REV's), called alike")
+    parser.add_argument("--per-shape", action="store_true",
+                        help="GFLOP/s per projection shape and for the whole step, instead of ms per step")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -80,6 +92,8 @@ def main() -> None:
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for k, n in shapes]
     # Builds of our kernel as paths: name -> (extra gcc flags, git revision or None for this tree's).
     builds: dict[str, tuple[tuple[str, ...], str | None]] = {"native-noamx": (NO_AMX_CFLAGS, None)}
+    if dtype == torch.bfloat16:
+        builds.update((name, (flags, None)) for name, flags in FMA_BUILDS.items())
     builds.update((name, (tuple(flags.split()), None)) for name, _, flags in (v.partition("=") for v in args.variant))
     paths = args.paths.split(",")
     if args.against:
@@ -106,23 +120,36 @@ def main() -> None:
           f"{len(shapes)} matmuls per step, "
           f"{sum(k * n for k, n in shapes) * weights[0].element_size() / 1e6:.0f} MB of {args.dtype} weights")
     against = f" | this speed-up over {args.against}" if args.against else ""
-    print("| rows | " + " | ".join(f"{p} ms" for p in layers) + f" | native speed-up over onednn{against} |")
-    print("|---" * (len(layers) + 2 + bool(args.against)) + "|")
+    if args.per_shape:
+        print("| rows | matmuls (in x out) | " + " | ".join(f"{p} GFLOP/s" for p in layers) + " |")
+        print("|---" * (len(layers) + 2) + "|")
+    else:
+        print("| rows | " + " | ".join(f"{p} ms" for p in layers) + f" | native speed-up over onednn{against} |")
+        print("|---" * (len(layers) + 2 + bool(args.against)) + "|")
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes}}
             if "onednn-hint" in layers:
                 layers["onednn-hint"] = [PackedLinear(w, None, batch_size=rows) for w in weights]
 
-            def one_step(path: str) -> Callable[[], None]:
-                stack = layers[path]
+            def one_step(path: str, only: tuple[int, int] | None = None) -> Callable[[], None]:
+                """The step's matmuls through ``path`` (``only``: those of that shape)."""
+                pairs = [(shape, layer) for shape, layer in zip(shapes, layers[path]) if only in (None, shape)]
                 apply = (lambda layer, x: F.linear(x, layer)) if path == "torch" else (lambda layer, x: layer(x))
 
                 def run() -> None:   # each output dropped at once, as a step's would be
-                    for (k, _), layer in zip(shapes, stack):
+                    for (k, _), layer in pairs:
                         apply(layer, inputs[k])
                 return run
 
+            if args.per_shape:
+                for only in [*dict.fromkeys(shapes), None]:
+                    flops = sum(2 * rows * k * n for k, n in shapes if only in (None, (k, n)))
+                    best = best_of(args.rounds, {path: one_step(path, only) for path in layers})
+                    count = len(shapes) if only is None else shapes.count(only)
+                    label = f"all {count}" if only is None else f"{count} x {only[0]} x {only[1]}"
+                    print(f"| {rows} | {label} | " + " | ".join(f"{flops / best[p] / 1e9:.0f}" for p in layers) + " |")
+                continue
             best = best_of(args.rounds, {path: one_step(path) for path in layers})
             ratio = (f"{best['onednn'] / best['native']:.2f}x" if "native" in best and "onednn" in best else "")
             if args.against:

@@ -21,6 +21,8 @@ Workloads (token-id prompts from ``random.Random(seed)``, ids uniform in ``--id-
      (``MIXED_PROMPT``, ``MIXED_OUTPUT``; medians 300 and 80 tokens, sigma 1.3, clipped to the
      seeds' ranges of ~10-8192 prompt and 5-2048 output tokens). A batch of 32 then holds ~850
      tokens a request on average and ~5,000 in its longest (the seeds' example: 800 and 8,000).
+  Ln: every prompt n tokens (e.g. L3072), one output token: time to first token of long fresh
+     prompts, with ``--concurrency 1``.
 The request list is built once per workload and is identical for every server; request i always
 carries the same prompt. Closed loop: ``--concurrency`` workers, each sending its next request
 as soon as its previous one ends. Two short unmeasured warm-up requests precede each run.
@@ -157,8 +159,12 @@ def make_workload(name: str, num_requests: int = 64, seed: int = 0,
             prompt_len, output_len = rng.choice(PROMPT_LENS_B), rng.choice(OUTPUT_LENS_B)
         elif name == "M":
             prompt_len, output_len = MIXED_PROMPT.draw(rng), MIXED_OUTPUT.draw(rng)
+        elif name[:1] == "L" and name[1:].isdigit():
+            # Ln: fresh n-token prompts (random ids: no prefix hit) to their first token only,
+            # for time to first token of long prompts (run with --concurrency 1).
+            prompt_len, output_len = int(name[1:]), 1
         else:
-            raise ValueError(f"unknown workload {name!r} (A, B or M)")
+            raise ValueError(f"unknown workload {name!r} (A, B, M or Ln, e.g. L3072)")
         requests.append(Request([rng.randrange(*id_range) for _ in range(prompt_len)], output_len))
     return Workload(name, requests)
 

@@ -143,6 +143,9 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "linear_bf16_isa": (_INT, []),
         "linear_bf16_use_amx": (_INT, [_INT]),
         "linear_bf16_amx_on": (_INT, []),
+        "linear_bf16_fma_built": (_INT, []),
+        "linear_bf16_use_fma": (_I64, [_I64]),
+        "linear_bf16_fma_rows": (_I64, []),
         "linear_bf16_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
         "linear_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
         "linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
@@ -154,6 +157,9 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "decode_attention_bf16_vector_width": (_INT, []),
         "decode_attention_bf16_dot_product": (_INT, []),
         "attention_soft_cap": (None, [_P, _I64, _F]),     # the scores' soft cap alone, for tests
+        "prefill_attention_bf16_fma_built": (_INT, []),
+        "prefill_attention_bf16_use_fma": (_INT, [_INT]),
+        "prefill_attention_bf16_path": (_INT, [_I64]),
     }
     for suffix in LAYER_OPS_SUFFIXES.values():
         # ... scale, window, sinks (float32 [num_heads] or NULL), num_threads; the _softcap ones
@@ -220,6 +226,27 @@ def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed:
 
 # attention_path()'s answer (paged_attention.c's enum attention_path) -> the functions a build runs.
 ATTENTION_PATHS = {0: "generic", 1: "avx2", 2: "avx512-bf16"}
+
+
+# prefill_attention_bf16_path()'s answer beyond ATTENTION_PATHS: the float32-FMA bfloat16 prefill.
+PREFILL_BF16_PATHS = {**ATTENTION_PATHS, 3: "avx512-fma"}
+
+
+def prefill_bf16_path(head_dim: int, library: ctypes.CDLL | None = None) -> str:
+    """Which function a build's bfloat16 prefill runs now at this head size: ``avx512-fma`` (the
+    float32-FMA one, where ``use_prefill_bf16_fma`` turned it on and the size fits) or
+    ``attention_path``'s answer."""
+    library = load() if library is None else library
+    assert library is not None, "check load() before calling"
+    return PREFILL_BF16_PATHS[library.prefill_attention_bf16_path(head_dim)]
+
+
+def use_prefill_bf16_fma(on: bool, library: ctypes.CDLL | None = None) -> bool:
+    """Turn the float32-FMA bfloat16 prefill on or off for this process (off until asked;
+    backend/model/prefill_attention_choice.py times it at start-up); whether it is now on
+    (never where the build has no AVX-512F)."""
+    library = load() if library is None else library
+    return library is not None and bool(library.prefill_attention_bf16_use_fma(int(on)))
 
 
 def attention_path(dtype: torch.dtype, head_dim: int, library: ctypes.CDLL | None = None) -> str:

@@ -28,7 +28,13 @@ from tests.test_hf_equality import MAX_NEW_TOKENS, mixed_prompts  # noqa: F401 -
 # fused_layer_ops=false still 0.924. The one more prompt that diverges (the 150-token one, at its
 # 12th token) is a float32 near-tie: transformers' top two logits 26.185 and 26.158, a gap under a
 # fifth of one bfloat16 step there (0.125). The floors leave room for another CPU's summation orders.
-FLOOR_VS_FLOAT32 = 0.80
+# On the 2-core Intel Xeon (AVX512_BF16), with the float32-FMA prompt-attention kernel the start-up
+# picks there (2026-11-28): 0.750 against float32 (0.924 with the dot-product kernel forced); its
+# four diverging prompts part where transformers' top two logits differ by 0.027-0.122, under one
+# bfloat16 step. Over 40 prompts the two kernels score 0.774 and 0.802
+# (benchmarks/results/bf16_agreement_prefill_kernels-xeon-avx512bf16-2core.json): these 12 prompts
+# cannot tell them apart, so the float32 floor sits under both.
+FLOOR_VS_FLOAT32 = 0.70
 FLOOR_VS_BFLOAT16 = 0.60
 
 

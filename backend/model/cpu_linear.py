@@ -16,6 +16,7 @@ every path with it.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import torch
@@ -46,6 +47,29 @@ def native_kernel_available(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return cpu_native.linear_available()
     return dtype == torch.bfloat16 and cpu_native.linear_bf16_available()
+
+
+def bf16_fma_built(library: ctypes.CDLL | None = None) -> bool:
+    """Our bfloat16 kernel's build has its float32-FMA version for prompt-sized calls
+    (kernels/csrc/linear_bf16.c: the packed bfloat16 weight widened in registers, 512-bit FMAs;
+    built where gcc targets AVX-512F)."""
+    library = cpu_native.load() if library is None else library
+    return library is not None and bool(library.linear_bf16_fma_built())
+
+
+def use_bf16_fma_rows(min_rows: int, library: ctypes.CDLL | None = None) -> int:
+    """From how many rows our bfloat16 kernel's calls run its float32-FMA version, for this
+    process (0: never; the dot products, or the AVX2 version, below). Returns the threshold now in
+    effect: 0 where the version is not built. The engine sets it once at start-up, from a timing
+    (``backend.model.cpu_linear_tuning.choose_fma_rows``); AMX tiles, where on, take precedence."""
+    library = cpu_native.load() if library is None else library
+    return 0 if library is None else int(library.linear_bf16_use_fma(max(int(min_rows), 0)))
+
+
+def bf16_fma_rows(library: ctypes.CDLL | None = None) -> int:
+    """The threshold ``use_bf16_fma_rows`` left (0: the FMA version never runs)."""
+    library = cpu_native.load() if library is None else library
+    return 0 if library is None else int(library.linear_bf16_fma_rows())
 
 
 def resolve_cpu_linear(choice: str, dtype: torch.dtype, on_cpu: bool = True,
@@ -190,8 +214,9 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
 
 class NativeBf16Linear(_NativeKernelLinear):
     """bfloat16 through our kernel (kernels/csrc/linear_bf16.c: AVX512_BF16 dot products, else
-    AVX2 widening), ``W`` packed in pairs (float32 sums over the whole row, rounded once, as
-    oneDNN's bfloat16 matmul does)."""
+    AVX2 widening; on AVX-512F CPUs float32 FMAs over the widened weight from the rows
+    ``use_bf16_fma_rows`` set), ``W`` packed in pairs (float32 sums over the whole row, rounded
+    once, as oneDNN's bfloat16 matmul does)."""
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:

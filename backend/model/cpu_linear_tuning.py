@@ -28,13 +28,26 @@ the figures.
   shape a layer has), at both row counts, is checked against ``F.linear`` in float32 on the same
   weights first. A path off by more than its dtype's rounding, or that raises, is left out and
   the log says so.
+
+Our bfloat16 kernel's float32-FMA version (kernels/csrc/linear_bf16.c, built on AVX-512F CPUs)
+is a second, separate timing, wherever the choice is our bfloat16 kernel without AMX tiles
+(``choose_fma_rows``): the first layer's projections at ``FMA_CANDIDATE_ROWS`` rows, the dot
+products (or the AVX2 version) against the FMAs, alternating round by round. Prompt-sized calls
+are compute-bound, and on some CPUs ``vdpbf16ps`` has half the float32 FMAs' rate (the 2-core
+Emerald Rapids Xeon: docs/benchmarks.md); decode-sized ones stream the weight, which is what the
+dot products are fast at. The FMAs run from the smallest timed row count from which they were
+``FMA_MARGIN`` faster at every timed count, else never; ``FMA_ROWS_ENV`` sets the threshold
+instead (0: never). The log line of the linear layers gives the threshold and the figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -43,8 +56,9 @@ from torch import nn
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
-from backend.model.cpu_linear import (linear_maker, native_kernel_available, onednn_packing_available,
-                                      resolve_cpu_linear, rule_is_measured)
+from backend.model.cpu_linear import (bf16_fma_built, bf16_fma_rows, linear_maker, native_kernel_available,
+                                      onednn_packing_available, pack_pairs, resolve_cpu_linear, rule_is_measured,
+                                      use_bf16_fma_rows)
 from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
@@ -94,6 +108,7 @@ class LinearChoice:
     why: str                               # for the start-up log
     timings: tuple[PathTiming, ...] = ()   # empty where the rule or an explicit choice decided
     onednn_batch_hint: int | None = None   # onednn: the rows its weights are packed for (None: no hint)
+    fma_min_rows: int = 0                  # our bf16 kernel: float32 FMAs from this many rows (0: never)
 
 
 def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
@@ -202,11 +217,26 @@ def fastest(timings: list[PathTiming]) -> PathTiming:
 
 def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, on_cpu: bool = True,
                       max_num_seqs: int = DECODE_ROWS, quantization: str = "none", features: CpuFeatures | None = None,
-                      timer: Callable[..., tuple[list[PathTiming], dict[str, float]]] = time_paths) -> LinearChoice:
+                      timer: Callable[..., tuple[list[PathTiming], dict[str, float]]] = time_paths,
+                      fma_timer: Callable[..., tuple[list[FmaTiming], float]] | None = None) -> LinearChoice:
     """The linear-layer path, and why: an explicit choice as given; ``auto`` by the measured rule
-    where it has figures for this CPU and dtype, else timed as ``measure`` is. ``features`` and
-    ``timer``: tests fake the machine and the clock."""
+    where it has figures for this CPU and dtype, else timed as ``measure`` is. Where that is our
+    bfloat16 kernel, also from how many rows it runs float32 FMAs (``choose_fma_rows``), which is
+    set for the process here. ``features``, ``timer`` and ``fma_timer``: tests fake the machine
+    and the clocks."""
     features = features or detect()
+    linear = _choose_path(choice, dtype, arch, on_cpu, max_num_seqs, quantization, features, timer)
+    if not (on_cpu and dtype == torch.bfloat16):
+        return linear
+    fma_rows, note = choose_fma_rows(linear.path, arch, quantization, features, fma_timer or time_fma)
+    use_bf16_fma_rows(fma_rows)
+    return dataclasses.replace(linear, why=f"{linear.why}; {note}", fma_min_rows=fma_rows) if note else linear
+
+
+def _choose_path(choice: str, dtype: torch.dtype, arch: ModelArchitecture, on_cpu: bool, max_num_seqs: int,
+                 quantization: str, features: CpuFeatures,
+                 timer: Callable[..., tuple[list[PathTiming], dict[str, float]]]) -> LinearChoice:
+    """``choose_cpu_linear``'s path and why."""
     if choice != "measure":
         path = resolve_cpu_linear(choice, dtype, on_cpu, features)
         if choice != "auto":
@@ -244,3 +274,113 @@ def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, 
     if chosen.path == HINTED_ONEDNN:
         return LinearChoice("onednn", why, tuple(timings), onednn_batch_hint=decode_rows)
     return LinearChoice(chosen.path, why, tuple(timings))
+
+
+# ---- our bfloat16 kernel's float32-FMA version (the module docstring, last paragraph)
+FMA_CANDIDATE_ROWS = (32, 64, 128, 256, 512)   # thresholds tried: prompt chunks, never a decode step of <= 16
+FMA_MARGIN = 1.05          # the FMAs must be this much faster at a row count to run there
+FMA_MAX_WEIGHTS = 1 << 21  # a timed projection's weight, at most (elements: columns cut beyond; SmolLM2 is whole)
+FMA_CHECK_ROWS = 37        # the rows the FMAs' output is checked at (every tile shape: 4 x 8 rows and 5)
+FMA_ROWS_ENV = "LLM_CPU_LINEAR_FMA_ROWS"   # a threshold instead of the timing (0: never)
+FMA_ROUNDS = 5             # ~60 ms a round for SmolLM2-135M's layer on the 2-core Xeon
+
+
+@dataclass(frozen=True)
+class FmaTiming:
+    rows: int
+    dot_ms: float     # the projections of one layer, the dot products (or the AVX2 version)
+    fma_ms: float     # the same through the float32 FMAs
+
+    def describe(self) -> str:
+        return f"{self.rows} rows {self.dot_ms:.2f}/{self.fma_ms:.2f} ms"
+
+
+def fma_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """The first layer's projections as timed: (in, out), out cut to a multiple of 48 columns (a
+    tile's) where the weight would pass ``FMA_MAX_WEIGHTS`` (compute-bound calls: their pace
+    per FLOP does not depend on the columns' count, and a large model's layer would take seconds)."""
+    return [(k, n if k * n <= FMA_MAX_WEIGHTS else max(48, FMA_MAX_WEIGHTS // k // 48 * 48))
+            for k, n in projection_shapes(arch)[:PROJECTIONS_PER_LAYER]]
+
+
+def time_fma(shapes: list[tuple[int, int]], rows: tuple[int, ...] = FMA_CANDIDATE_ROWS, rounds: int = FMA_ROUNDS,
+             library=None) -> tuple[list[FmaTiming], float]:
+    """Our bfloat16 kernel over ``shapes`` (random weights, bfloat16 out, no bias) at each row
+    count, without and with the FMAs, alternating; each projection keeps its best round and a
+    row count's time is their sum. Also the FMAs' max relative error against ``F.linear`` in
+    float32 (``relative_error``) at ``FMA_CHECK_ROWS`` rows. The process's threshold is left as it
+    was. In-process results are kept per shapes, rows and threads (engines started again in one
+    process, as tests do, time once)."""
+    return _time_fma(tuple(shapes), tuple(rows), rounds, torch.get_num_threads(), library)
+
+
+@lru_cache(maxsize=16)
+def _time_fma(shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...], rounds: int, threads: int,
+              library) -> tuple[list[FmaTiming], float]:
+    generator = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=generator) * 0.02).bfloat16() for k, n in shapes]
+    packed = [pack_pairs(w) for w in weights]
+    inputs = {r: {k: torch.randn(r, k, generator=generator).bfloat16() for k, _ in shapes}
+              for r in (*rows, FMA_CHECK_ROWS)}
+
+    before = bf16_fma_rows(library)
+    # Each projection keeps its best round (short timed units: a shared machine disturbs fewer).
+    best = {(r, fma): [float("inf")] * len(shapes) for r in rows for fma in (False, True)}
+    try:
+        with torch.inference_mode():
+            use_bf16_fma_rows(1, library)
+            checked = inputs[FMA_CHECK_ROWS]
+            error = max(relative_error(cpu_native.linear_bf16(checked[k], p, n, None, library=library),
+                                       F.linear(checked[k].float(), w.float()))
+                        for (k, n), p, w in zip(shapes, packed, weights))
+            for _ in range(rounds):
+                for r in rows:
+                    for fma in (False, True):
+                        use_bf16_fma_rows(1 if fma else 0, library)
+                        for i, ((k, n), p) in enumerate(zip(shapes, packed)):
+                            x = inputs[r][k]
+                            start = time.perf_counter()
+                            cpu_native.linear_bf16(x, p, n, None, library=library)
+                            best[r, fma][i] = min(best[r, fma][i], (time.perf_counter() - start) * 1e3)
+    finally:
+        use_bf16_fma_rows(before, library)
+    return [FmaTiming(r, sum(best[r, False]), sum(best[r, True])) for r in rows], error
+
+
+def fma_threshold(timings: list[FmaTiming]) -> int:
+    """The smallest timed row count from which the FMAs were ``FMA_MARGIN`` faster at every
+    timed count (0: none)."""
+    threshold = 0
+    for timing in sorted(timings, key=lambda t: t.rows, reverse=True):
+        if timing.dot_ms < timing.fma_ms * FMA_MARGIN:
+            break
+        threshold = timing.rows
+    return threshold
+
+
+def choose_fma_rows(path: str, arch: ModelArchitecture, quantization: str = "none",
+                    features: CpuFeatures | None = None,
+                    timer: Callable[..., tuple[list[FmaTiming], float]] = time_fma) -> tuple[int, str]:
+    """From how many rows our bfloat16 kernel runs float32 FMAs (0: never), and a note for the
+    log ('' where there is nothing to say: another path, no FMA version here). Timed where the
+    bfloat16 projections run our kernel's dot products or AVX2 version and the FMA version is
+    built (AVX-512F); not where its AMX version is built (its tiles take every call of 2 rows and
+    more) or the projections are quantized. ``FMA_ROWS_ENV`` in the environment: that threshold."""
+    features = features or detect()
+    if (path != "native" or quantization != "none" or not features.avx512
+            or cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS or not bf16_fma_built()):
+        return 0, ""
+    forced = os.environ.get(FMA_ROWS_ENV)
+    if forced is not None:
+        rows = max(int(forced), 0)
+        return rows, f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} ({FMA_ROWS_ENV})"
+    timings, error = timer(fma_shapes(arch))
+    if not error <= TOLERANCE[torch.bfloat16]:
+        logger.warning("cpu_linear: the bfloat16 kernel's float32-FMA version computes wrong results on this CPU "
+                       "(max relative error %.3g against F.linear, tolerance %.3g): not used", error,
+                       TOLERANCE[torch.bfloat16])
+        return 0, f"bf16 matmuls: float32 FMAs never (wrong results here: error {error:.3g})"
+    rows = fma_threshold(timings)
+    figures = ", ".join(t.describe() for t in timings)
+    return rows, (f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} (a layer, dot "
+                  f"products/FMAs: {figures})")

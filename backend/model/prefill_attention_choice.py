@@ -22,11 +22,25 @@ attends its gathered context with a mask.
 - **A wrong kernel is never chosen:** each path's output is first checked against the reference
   (kernels/reference.py) in float32 on the same inputs; one off by more than its dtype's
   rounding, or that raises, is left out and the log says so.
+
+**Which of our bfloat16 prefill functions** (``choose_bf16_prefill_kernel``), before the above
+(whose timing of ours then runs the one chosen): the build's own (``dp``: AVX512_BF16 dot
+products where the compiler targets them, else the AVX2 one) or the float32-FMA one (``fma``:
+K and V widened to float32 once per key block, 512-bit FMAs; built wherever AVX-512F is). Where
+``vdpbf16ps`` runs at half the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is the
+faster; on CPUs with full-rate dot products the first may be. So it is timed here, never read off
+the CPU's name: one prefill (``BF16_TILE``: new tokens over cached context) at the model's head
+shape, each function's best of ``BF16_ROUNDS`` alternating calls, after both are checked against the
+reference; ``fma`` only where it wins by ``FMA_MARGIN``. Without AVX-512F, or at head sizes
+the FMA function does not serve, the build's own runs, untimed. ``LLM_CPU_PREFILL_BF16_KERNEL``
+(``auto``, ``dp``, ``fma``) forces it. The switch is process-wide (the C decoder's prefills take
+it too); the start-up log names the function and the timings.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -46,6 +60,7 @@ logger = logging.getLogger(__name__)
 PROMPT_LENGTHS = (32, 64, 128, 256, 512)   # new tokens: up to one chunk at the default token budget
 CONTEXT_TOKENS = (0, 512)                  # cached context before them: a fresh prompt, a later chunk
 ROUNDS = 3
+BF16_ROUNDS = 5            # the bfloat16 functions: one prefill each, cheap; more rounds against noise
 # SDPA must be this much faster: a clear win only, on machines whose timings are noisy (two
 # identical builds differed by about this margin in one run on a shared machine).
 NATIVE_MARGIN = 1.10
@@ -55,6 +70,24 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -5}
 
 Timings = dict[tuple[int, int], dict[PrefillAttention, float]]   # (new tokens, context) -> path -> best ms
 
+# The bfloat16 prefill functions of ours (choose_bf16_prefill_kernel): the build's own, the float32-FMA one.
+BF16_KERNELS = ("dp", "fma")
+BF16_KERNEL_ENV = "LLM_CPU_PREFILL_BF16_KERNEL"    # auto (default), dp or fma
+BF16_TILE = (256, 768)         # (new tokens, cached context) of the timed prefill: a chunk of a long prompt
+# fma must be this much faster (ties keep the build's own, which the engine ran before).
+FMA_MARGIN = 1.03
+
+
+@dataclass(frozen=True)
+class Bf16PrefillKernel:
+    """Which function our bfloat16 prefills run (``cpu_native.prefill_bf16_path``'s name), and why."""
+    kernel: str                                           # e.g. "avx512-fma", "avx512-bf16", "avx2"
+    why: str
+    timings_ms: dict[str, float] = field(default_factory=dict)   # "dp" / "fma" -> best ms; empty unless timed
+
+    def describe(self) -> str:
+        return f"bfloat16 prompts in our {self.kernel} function ({self.why})"
+
 
 @dataclass(frozen=True)
 class PrefillAttentionChoice:
@@ -62,11 +95,14 @@ class PrefillAttentionChoice:
     why: str                                  # for the start-up log
     sdpa_min_tokens: int | None = None        # SDPA: prefills from this many new tokens; None: ours for all
     timings_ms: Timings = field(default_factory=dict)   # empty unless timed
+    bf16_kernel: Bf16PrefillKernel | None = None        # bfloat16 with our C kernel only
 
     def describe(self) -> str:
+        kernel = "" if self.bf16_kernel is None else f"; {self.bf16_kernel.describe()}"
         if self.sdpa_min_tokens is None:
-            return f"ours ({self.why})"
-        return f"torch's SDPA for prefills of {self.sdpa_min_tokens}+ new tokens, ours for the rest ({self.why})"
+            return f"ours ({self.why}){kernel}"
+        return (f"torch's SDPA for prefills of {self.sdpa_min_tokens}+ new tokens, ours for the rest "
+                f"({self.why}){kernel}")
 
 
 def native_kernel_runs(dtype: torch.dtype) -> bool:
@@ -126,6 +162,87 @@ def time_prefill_attention(arch: ModelArchitecture, dtype: torch.dtype, block_si
     return best, errors
 
 
+def time_bf16_prefill_kernels(arch: ModelArchitecture, block_size: int, rounds: int = BF16_ROUNDS,
+                              tile: tuple[int, int] = BF16_TILE) -> tuple[dict[str, float], dict[str, float]]:
+    """Our bfloat16 prefill functions (``BF16_KERNELS``) on one prefill of ``tile`` (new tokens,
+    cached context) at the model's head shape, in shuffled blocks, on the engine's threads: each
+    one's best ms of ``rounds`` alternating calls (after a first untimed one), for those whose
+    output passes the check against the reference; and every one's relative error. Leaves the
+    FMA function switched off."""
+    length, context = tile
+    tokens = length + context
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = -(-tokens // block_size)
+    cache_shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    key_cache = torch.randn(cache_shape, generator=generator).to(torch.bfloat16)
+    value_cache = torch.randn(cache_shape, generator=generator).to(torch.bfloat16)
+    query = torch.randn(length, arch.num_heads, arch.head_dim, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=generator).to(torch.int32).unsqueeze(0)
+    starts, query_lens, seq_lens = torch.tensor([0]), torch.tensor([length]), torch.tensor([tokens])
+    scale = arch.head_dim ** -0.5
+    reference = paged_attention_reference(query.float(), key_cache.float(), value_cache.float(),
+                                          torch.tensor([0, length]), seq_lens, table, scale)
+    out = torch.empty_like(query)
+
+    def run(kernel: str) -> float:
+        cpu_native.use_prefill_bf16_fma(kernel == "fma")
+        start = time.perf_counter()
+        cpu_native.paged_prefill_attention(query, out, starts, query_lens, seq_lens, table, key_cache, value_cache,
+                                           scale)
+        return (time.perf_counter() - start) * 1e3
+
+    errors: dict[str, float] = {}
+    try:
+        for kernel in BF16_KERNELS:
+            run(kernel)
+            errors[kernel] = relative_error(out, reference)
+        candidates = [kernel for kernel in BF16_KERNELS if errors[kernel] <= TOLERANCE[torch.bfloat16]]
+        best = {kernel: float("inf") for kernel in candidates}
+        for _ in range(rounds):
+            for kernel in candidates:
+                best[kernel] = min(best[kernel], run(kernel))
+    finally:
+        cpu_native.use_prefill_bf16_fma(False)
+    return best, errors
+
+
+def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice: str | None = None,
+                               timer: Callable[..., tuple[dict[str, float], dict[str, float]]]
+                               = time_bf16_prefill_kernels) -> Bf16PrefillKernel:
+    """Which of our bfloat16 prefill functions runs in this process, chosen and switched on here
+    (the module's docstring says how). ``choice``: ``auto``, ``dp`` or ``fma`` (None:
+    ``LLM_CPU_PREFILL_BF16_KERNEL``, else ``auto``); ``timer``: tests fake the clock."""
+    choice = (choice or os.environ.get(BF16_KERNEL_ENV) or "auto").strip().lower()
+    if choice not in ("auto", *BF16_KERNELS):
+        raise ValueError(f"{BF16_KERNEL_ENV} must be auto, dp or fma, got {choice!r}")
+    head_dim = arch.head_dim
+    # Whether the FMA function serves this model here: built (AVX-512F) and fits the head size.
+    fits = cpu_native.use_prefill_bf16_fma(True) and cpu_native.prefill_bf16_path(head_dim) == "avx512-fma"
+    cpu_native.use_prefill_bf16_fma(False)
+    own = cpu_native.prefill_bf16_path(head_dim)
+    if not fits:
+        reason = (f"the float32-FMA function does not serve head_dim {head_dim}"
+                  if cpu_native.load().prefill_attention_bf16_fma_built() else "no AVX-512F: no float32-FMA function")
+        return Bf16PrefillKernel(own, f"the build's own, untimed: {reason}")
+    if choice != "auto":
+        on = cpu_native.use_prefill_bf16_fma(choice == "fma")
+        return Bf16PrefillKernel(cpu_native.prefill_bf16_path(head_dim),
+                                 f"{BF16_KERNEL_ENV}={choice}" + ("" if on == (choice == "fma") else ": not built"))
+    timings, errors = timer(arch, block_size)
+    for kernel, error in errors.items():
+        if error > TOLERANCE[torch.bfloat16]:
+            logger.warning("bfloat16 prefill: our %s function computes wrong results on this CPU (max relative "
+                           "error %.3g against the reference): not used", kernel, error)
+    dp, fma = timings.get("dp", float("inf")), timings.get("fma", float("inf"))
+    use_fma = fma < float("inf") and fma * FMA_MARGIN < dp
+    cpu_native.use_prefill_bf16_fma(use_fma)
+    length, context = BF16_TILE
+    figures = ", ".join(f"{kernel} {ms:.2f}" for kernel, ms in timings.items())
+    return Bf16PrefillKernel(cpu_native.prefill_bf16_path(head_dim),
+                             f"timed at start-up, ms for one layer's {length} tokens over {context}: {figures}",
+                             dict(timings))
+
+
 def sdpa_threshold(timings: Timings) -> int | None:
     """The shortest timed length from which SDPA wins by ``NATIVE_MARGIN`` over every context at
     every length up; None where it does not win at the longest (or was left out); every prefill
@@ -162,14 +279,18 @@ def choose_prefill_attention(choice: str, dtype: torch.dtype, arch: ModelArchite
         # paged_attention_cpu's torch path then attends every prefill, whatever the plan says.
         return PrefillAttentionChoice(native, f"our C kernel does not run for {dtype} here: "
                                               f"torch's path attends every prefill")
+    # Which of our bfloat16 functions, first: the timing against SDPA below runs it.
+    kernel = choose_bf16_prefill_kernel(arch, block_size) if dtype == torch.bfloat16 else None
     if choice == "native":
-        return PrefillAttentionChoice(native, "cpu_prefill_attention=native")
+        return PrefillAttentionChoice(native, "cpu_prefill_attention=native", bf16_kernel=kernel)
     if choice == "sdpa":
-        return PrefillAttentionChoice(PrefillAttention.SDPA, "cpu_prefill_attention=sdpa", EVERY_PREFILL)
+        return PrefillAttentionChoice(PrefillAttention.SDPA, "cpu_prefill_attention=sdpa", EVERY_PREFILL,
+                                      bf16_kernel=kernel)
     features = features or detect()
     if choice == "auto" and not features.avx512:
         return PrefillAttentionChoice(native, "cpu_prefill_attention=auto: the measured rule "
-                                              "(no AVX-512: ours 2.2-2.45x torch's SDPA; docs/benchmarks.md)")
+                                              "(no AVX-512: ours 2.2-2.45x torch's SDPA; docs/benchmarks.md)",
+                                      bf16_kernel=kernel)
     reason = ("cpu_prefill_attention=auto: this CPU (AVX-512) is timed at start-up" if choice == "auto"
               else "cpu_prefill_attention=measure")
     timings, errors = timer(arch, dtype, block_size)
@@ -185,5 +306,5 @@ def choose_prefill_attention(choice: str, dtype: torch.dtype, arch: ModelArchite
     why = f"{reason}: ms for one layer's prefill, {figures}"
     threshold = sdpa_threshold(timings)
     if threshold is None:
-        return PrefillAttentionChoice(native, why, None, timings)
-    return PrefillAttentionChoice(PrefillAttention.SDPA, why, threshold, timings)
+        return PrefillAttentionChoice(native, why, None, timings, kernel)
+    return PrefillAttentionChoice(PrefillAttention.SDPA, why, threshold, timings, kernel)

@@ -326,6 +326,219 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 
 #endif
 
+/* Float32 FMAs over the same packed weight, for prompt-sized calls (many rows) on AVX-512F CPUs.
+ * Why: on some CPUs vdpbf16ps is the slower instruction. On the 2-core Emerald Rapids Xeon the
+ * dot products peak at 183 GFLOP/s and 512-bit float32 FMAs at 358 (docs/benchmarks.md, "Prompt
+ * attention on the Intel Xeon"), so a prefill's projections, which are compute-bound, ran at
+ * the dot products' ceiling. Decode (a few rows) streams the weight from memory: bfloat16 is what
+ * makes it fast, so this runs only from fma_min_rows rows (linear_bf16_use_fma), which the engine
+ * sets from a timing of both on the model's shapes at start-up (backend/model/cpu_linear_tuning.py),
+ * and is off (0) until then.
+ * The weight stays bfloat16 and packed as above; a 512-bit load of a pair of k gives 16 columns,
+ * widened in registers as the AVX2 version does (the lane shifted left by 16 is the even k, the
+ * lane with its low half cleared the odd one; both exact). x is widened once per call into a
+ * float32 copy, k-major within each tile of rows (x[tile][k][FMA_MR]), so a row's k is one
+ * broadcast at a fixed offset from one pointer (with a row stride, the 8 rows' pointers did not
+ * fit the general registers and spilled). A tile is FMA_MR rows x FMA_NP panels (8 x 48 columns):
+ * 24 accumulators, 3 widened weights and a broadcast of the 32 zmm registers; per pair
+ * of k 3 weight loads and 6 widening operations (ALU) for 48 FMAs. The odd k of a pair is added
+ * first, then the even one: the order of Intel's pseudocode for vdpbf16ps, whose two additions
+ * are each rounded as an FMA's, so the sums can be the dot products' bit for bit (they were on
+ * the Emerald Rapids Xeon: tests/test_linear_fma.py prints it), denormals apart, which vdpbf16ps
+ * flushes to zero. Groups of panels go to the threads in contiguous ranges, as
+ * in the dot-product version; rows go in blocks whose widened copy fits FMA_X_BYTES (in L2 while
+ * a thread's panels pass). Where there are fewer groups than threads, the threads split the rows.
+ * Measured there (benchmarks/cpu_linear.py --per-shape, SmolLM2-135M's projections, 2 threads):
+ * ~300 GFLOP/s at 64 and 512 rows against the dot products' ~190.
+ * Built where the compiler targets AVX-512F (with the AVX512_BF16 version, or the AVX2 one on
+ * AVX-512 CPUs without BF16); elsewhere linear_bf16_use_fma answers 0 and nothing changes. */
+#if LINEAR_BF16_BASE_ISA >= 1 && defined(__AVX512F__)
+#define FMA_PATH 1
+#include <immintrin.h>
+#include <stdlib.h>
+
+#define FMA_MR 8                  /* rows per tile */
+#define FMA_NP 3                  /* panels per tile */
+#ifndef FMA_X_BYTES
+#define FMA_X_BYTES (1 << 20)     /* a row block's widened x, at most (bytes; -DFMA_X_BYTES=... to measure) */
+#endif
+#ifndef LINEAR_BF16_FMA_ROWS
+#define LINEAR_BF16_FMA_ROWS 0    /* fma_min_rows at load (0: off; -D...=1 builds for benchmarks) */
+#endif
+
+/* 16 float32 rounded to bfloat16 (to nearest even, NaN to 0x7FC0): f32_to_bf16's bits. */
+static inline __m256i fma_to_bf16(const __m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);     /* the dot-product version's rounding */
+#else
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+
+/* Rows [0, mr) of a tile of the widened x (k-major: x[c * FMA_MR + r] is row r's k c) times np
+ * panels from `panel` into columns [0, ncols) of y, as tile() above. prefetch: request lines
+ * PREFETCH_LINES pairs ahead. */
+static inline __attribute__((always_inline)) void fma_tile(const int mr, const int np, const int64_t pairs,
+                                                           const float *restrict x,
+                                                           const uint16_t *restrict panel,
+                                                           const int64_t panel_stride, const float *restrict bias,
+                                                           float *restrict yf, uint16_t *restrict yb,
+                                                           const int64_t ldy, const int64_t ncols, const int prefetch) {
+    __m512 acc[FMA_MR][FMA_NP];
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r)
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_setzero_ps();
+    const __m512i odd_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        __m512 w[FMA_NP];
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+            const uint16_t *at = panel + p * panel_stride + kk * 2 * NR;
+            if (prefetch) _mm_prefetch((const char *)(at + PREFETCH_LINES * 2 * NR), _MM_HINT_T0);
+            w[p] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(at), odd_half));
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[(2 * kk + 1) * FMA_MR + r]);
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+        }
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+            const __m512i pair = _mm512_loadu_si512(panel + p * panel_stride + kk * 2 * NR);
+            w[p] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[2 * kk * FMA_MR + r]);
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+        }
+    }
+    _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+        const int64_t left = ncols - p * NR;
+        const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + p * NR) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 out = _mm512_add_ps(acc[r][p], b);
+            if (yb) _mm256_mask_storeu_epi16(yb + r * ldy + p * NR, keep, fma_to_bf16(out));
+            else _mm512_mask_storeu_ps(yf + r * ldy + p * NR, keep, out);
+        }
+    }
+}
+
+static void fma_tile_any(const int mr, const int np, const int64_t pairs, const float *x, const uint16_t *panel,
+                         const int64_t panel_stride, const float *bias, float *yf, uint16_t *yb, const int64_t ldy,
+                         const int64_t ncols, const int prefetch) {
+#define TILE(R, P) fma_tile(R, P, pairs, x, panel, panel_stride, bias, yf, yb, ldy, ncols, prefetch)
+#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
+                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
+                       case 2: TILE(2, P); break; default: TILE(1, P); break;
+    if (np == 3) {
+        switch (mr) { ROWS_1_TO_8(3) }
+    } else if (np == 2) {
+        switch (mr) { ROWS_1_TO_8(2) }
+    } else {
+        switch (mr) { ROWS_1_TO_8(1) }
+    }
+#undef ROWS_1_TO_8
+#undef TILE
+}
+
+/* Rows [r0, r1) (r0 a multiple of FMA_MR) of the widened x, in tiles of FMA_MR rows of
+ * 2 * pairs k each, times panel groups [g0, g1) into y. */
+static void fma_block(const float *wide, const int64_t r0, const int64_t r1, const int64_t g0, const int64_t g1,
+                      const int64_t pairs, const uint16_t *packed, const int64_t n, const float *bias, float *yf,
+                      uint16_t *yb) {
+    const int64_t panels = (n + NR - 1) / NR, panel_stride = pairs * 2 * NR;
+    for (int64_t g = g0; g < g1; ++g) {
+        const int64_t q = g * FMA_NP, column = q * NR;
+        const int np = panels - q < FMA_NP ? (int)(panels - q) : FMA_NP;
+        for (int64_t r = r0; r < r1; r += FMA_MR) {
+            const int mr = r1 - r < FMA_MR ? (int)(r1 - r) : FMA_MR;
+            const int64_t at = r * n + column;
+            fma_tile_any(mr, np, pairs, wide + r * pairs * 2, packed + q * panel_stride, panel_stride,
+                         bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column,
+                         r == r0);
+        }
+    }
+}
+
+static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                      const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    const int64_t pairs = (k + 1) / 2, panels = (n + NR - 1) / NR, groups = (panels + FMA_NP - 1) / FMA_NP;
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int64_t tiles = (m + FMA_MR - 1) / FMA_MR;
+    float *wide = malloc(sizeof(float) * (size_t)(tiles * FMA_MR * pairs * 2 + 1));
+    if (wide == NULL) return -1;
+    /* Rows per block: as many as FMA_X_BYTES of widened x holds (whole tiles), in blocks of equal
+     * size (no short last block that would stream the panels again for a few rows). */
+    int64_t block = FMA_X_BYTES / (int64_t)(sizeof(float) * 2 * (pairs > 0 ? pairs : 1)) / FMA_MR * FMA_MR;
+    if (block < FMA_MR) block = FMA_MR;
+    const int64_t blocks = (m + block - 1) / block;
+    if (blocks > 1) block = ((m + blocks - 1) / blocks + FMA_MR - 1) / FMA_MR * FMA_MR;
+#pragma omp parallel num_threads(threads)
+    {
+        /* x widened tile by tile, k-major within a tile (a pair's broadcasts at fixed offsets from
+         * one pointer); the last tile's missing rows are zeros. */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            float *to = wide + t * FMA_MR * pairs * 2;
+            const int rows = m - t * FMA_MR < FMA_MR ? (int)(m - t * FMA_MR) : FMA_MR;
+            const uint16_t *from = x + t * FMA_MR * ldx;
+            for (int64_t c = 0; c < 2 * pairs; ++c, to += FMA_MR)
+                for (int r = 0; r < FMA_MR; ++r) to[r] = r < rows && c < k ? bf16_to_f32(from[r * ldx + c]) : 0.0f;
+        }
+        if (groups >= threads) {
+            /* Each thread the same groups in every row block (static schedule, same count), so
+             * the blocks need no barrier between them: its panels stay in its cache. */
+            for (int64_t r0 = 0; r0 < m; r0 += block) {
+                const int64_t r1 = m - r0 < block ? m : r0 + block;
+#pragma omp for schedule(static) nowait
+                for (int64_t g = 0; g < groups; ++g) fma_block(wide, r0, r1, g, g + 1, pairs, packed, n, bias, yf, yb);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t r0 = t * FMA_MR, r1 = m - r0 < FMA_MR ? m : r0 + FMA_MR;
+                fma_block(wide, r0, r1, 0, groups, pairs, packed, n, bias, yf, yb);
+            }
+        }
+    }
+    free(wide);
+    return 0;
+}
+#endif
+
+/* From how many rows a call runs the float32-FMA version (0: never). */
+static int64_t fma_min_rows =
+#ifdef FMA_PATH
+    LINEAR_BF16_FMA_ROWS;
+#else
+    0;
+#endif
+
+/* Whether this build has the float32-FMA version (AVX-512F). */
+int linear_bf16_fma_built(void) {
+#ifdef FMA_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Calls of min_rows rows and more run the float32-FMA version (0, or a negative count: none);
+ * returns the threshold now in effect, 0 where the version is not built. For the whole process
+ * (the engine sets it once, at start-up), like linear_bf16_use_amx; AMX tiles, where on, come first. */
+int64_t linear_bf16_use_fma(int64_t min_rows) {
+#ifdef FMA_PATH
+    fma_min_rows = min_rows > 0 ? min_rows : 0;
+#else
+    (void)min_rows;
+#endif
+    return fma_min_rows;
+}
+
+/* The threshold now in effect (what the last linear_bf16_use_fma left). */
+int64_t linear_bf16_fma_rows(void) { return fma_min_rows; }
+
 /* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a CPU with AMX the
  * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls took
  * far longer than at one row, which runs at the memory's pace; docs/benchmarks.md, "Served
@@ -583,6 +796,9 @@ static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
 #ifdef AMX_PATH
     const int done = linear_amx(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
     if (done != -2) return done;
+#endif
+#ifdef FMA_PATH
+    if (fma_min_rows > 0 && m >= fma_min_rows) return linear_fma(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
 #endif
     return linear_base(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
 }

@@ -573,6 +573,28 @@ static inline __attribute__((always_inline)) void attend_sequence_avx2(
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Lane i of the result = the sum (or, with take_max, the maximum) of the 16 lanes of v[i]. */
+static inline __attribute__((always_inline)) __m512 reduce_lanes_16(const __m512 v[16], const int take_max) {
+#define COMBINE(a, b) (take_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b))
+    __m512 pairs[8], quads[4], octs[2];
+    /* [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane for a = v[2i], b = v[2i+1] */
+    for (int i = 0; i < 8; ++i)
+        pairs[i] = COMBINE(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    /* one 128-bit lane's sum of each of v[4i .. 4i+3], in that lane */
+    for (int i = 0; i < 4; ++i)
+        quads[i] = COMBINE(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* 128-bit lanes 0+1 and 2+3 of quads[2i] (v[8i .. 8i+3]), then of quads[2i+1] */
+    for (int i = 0; i < 2; ++i)
+        octs[i] = COMBINE(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return COMBINE(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                   _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#undef COMBINE
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* ---- bfloat16 decode with AVX512_BF16 dot products ----------------------------------------
  *
@@ -602,25 +624,6 @@ static inline __attribute__((always_inline)) void attend_sequence_avx2(
 
 int decode_attention_bf16_dot_product(void) { return 1; }
 
-/* Lane i of the result = the sum (or, with take_max, the maximum) of the 16 lanes of v[i]. */
-static inline __attribute__((always_inline)) __m512 reduce_lanes_16(const __m512 v[16], const int take_max) {
-#define COMBINE(a, b) (take_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b))
-    __m512 pairs[8], quads[4], octs[2];
-    /* [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane for a = v[2i], b = v[2i+1] */
-    for (int i = 0; i < 8; ++i)
-        pairs[i] = COMBINE(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    /* one 128-bit lane's sum of each of v[4i .. 4i+3], in that lane */
-    for (int i = 0; i < 4; ++i)
-        quads[i] = COMBINE(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* 128-bit lanes 0+1 and 2+3 of quads[2i] (v[8i .. 8i+3]), then of quads[2i+1] */
-    for (int i = 0; i < 2; ++i)
-        octs[i] = COMBINE(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return COMBINE(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                   _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
-#undef COMBINE
-}
 
 /* scores[h * seq_len + t] = scale * q_h . K_t for every head h and token t. VEC: head_dim / 32,
  * a constant at each call site. */
@@ -934,7 +937,10 @@ int paged_decode_attention_softcap_bf16(const bf16_t *query, bf16_t *out, const 
  * compiled ISA; exp is exp_ps512 / exp_ps256 above where there is one. prefill_task is the generic version
  * (builds without AVX2 + FMA, and odd head sizes); AVX2 + FMA builds take prefill_task_lanes
  * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); attention_path() says which one a
- * build runs. */
+ * build runs. AVX-512F builds also have prefill_task_fma for bfloat16 (float32 FMAs on K and V
+ * widened once per key block), which runs instead only where the process switched it on
+ * (prefill_attention_bf16_use_fma: the engine's start-up timing); prefill_attention_bf16_path()
+ * says which function bfloat16 prefills run now. */
 #define PREFILL_KEY_BLOCK 16
 #define PREFILL_QUERY_TILE 32
 #define PREFILL_ROWS_AT_ONCE 8   /* rows whose scores are accumulated together (independent FMA chains) */
@@ -1479,6 +1485,306 @@ static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* ---- bfloat16 prefill in float32 512-bit FMAs (prefill_task_fma) ----------------------------
+ *
+ * On some CPUs with AVX512_BF16 the dot product _mm512_dpbf16_ps runs at half the rate of
+ * float32 512-bit FMAs (the Intel Xeon of docs/benchmarks.md: 183 against 358 GFLOP/s), so
+ * prefill_task_dp is held below the FMA ceiling however well it is fed. This variant keeps K
+ * and V bfloat16 in the cache and widens them (exact) once per task and key block, then does
+ * both products in float32 FMAs, the same sums as the reference's float32 arithmetic in
+ * another order (no subnormal flushing either):
+ *   - a block of FMA_KEY_BLOCK (32) keys of one KV head is transposed as 32-bit pairs (16 x 16
+ *     transposes in registers) and widened to float32 [head_dim][32 keys];
+ *   - FMA_QK_ROWS query rows (of every head of the GQA group: the task's rows as in
+ *     prefill_task) accumulate their 32 scores together: per dimension two loads of K serve
+ *     2 x FMA_QK_ROWS FMAs with the row's query element broadcast;
+ *   - the online softmax runs for FMA_ROW_BLOCK rows at once as in prefill_task_dp
+ *     (reduce_lanes_16 for the rows' maxima and sums, one vector exp for their corrections);
+ *   - V is widened once per block into [32 keys][head_dim], and PV keeps several rows'
+ *     outputs in registers over the block's keys (fma_pv_rows).
+ * Which bfloat16 prefill runs (this or the build's own, prefill_task_dp on AVX512_BF16 builds)
+ * is a process-wide switch, prefill_attention_bf16_use_fma, that the engine sets from a timing
+ * at start-up (backend/model/prefill_attention_choice.py); off, nothing changes. head_dim a
+ * multiple of 16 from 32 to 128, or 256 (fma_path_fits); windows, sinks and soft-capping as
+ * every prefill path. */
+#define FMA_KEY_BLOCK 32
+#define FMA_ROW_BLOCK 16
+#define FMA_QK_ROWS 8
+
+static int prefill_bf16_fma = 0;
+
+static int fma_path_fits(int64_t head_dim) {
+    return (head_dim % 16 == 0 && head_dim >= 32 && head_dim <= 128) || head_dim == 256;
+}
+
+/* Rows whose outputs one PV pass keeps in registers: up to 16 accumulators. */
+#define fma_pv_rows(VEC) ((VEC) <= 4 ? 4 : (VEC) <= 8 ? 2 : 1)
+
+/* Scratch bytes prefill_task_fma needs for ``rows`` (a multiple of FMA_ROW_BLOCK); 64-byte
+ * aligned pieces. */
+static int64_t prefill_fma_scratch_bytes(int64_t rows, int64_t head_dim) {
+    return sizeof(float) * (2 * rows * head_dim                      /* queries, outputs */
+                            + 2 * rows                               /* row max and sum */
+                            + 2 * FMA_KEY_BLOCK * head_dim           /* K transposed, V */
+                            + FMA_ROW_BLOCK * FMA_KEY_BLOCK          /* scores, then probabilities */
+                            + 2 * FMA_ROW_BLOCK);                    /* new maxima, corrections */
+}
+
+/* r[i] <- column i of the 16 x 16 matrix of 32-bit lanes whose row j is r[j]. */
+static inline __attribute__((always_inline)) void transpose_16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* kt[d][t] = K[t][d] in float32 for the block's keys t < ``keys`` (0 past them: never read from
+ * memory), d < head_dim; ``rows[t]``: key t's K row of this KV head. 32 dimensions (16 pairs)
+ * of 16 keys per transpose; a last 16 dimensions (head_dim an odd multiple of 16) as 8 pairs. */
+static inline __attribute__((always_inline)) void widen_keys_transposed(
+        const bf16_t *const rows[FMA_KEY_BLOCK], int keys, int64_t head_dim, float *restrict kt) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int half = 0; half < FMA_KEY_BLOCK / 16; ++half) {
+        for (int64_t c = 0; c < head_dim; c += 32) {
+            const int pairs = head_dim - c >= 32 ? 16 : 8;
+            __m512 r[16];
+            for (int t = 0; t < 16; ++t) {
+                const int key = 16 * half + t;
+                if (key >= keys) r[t] = _mm512_setzero_ps();
+                else if (pairs == 16) r[t] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[key] + c));
+                else r[t] = _mm512_castsi512_ps(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(rows[key] + c))));
+            }
+            transpose_16x16(r);
+            for (int i = 0; i < pairs; ++i) {
+                const __m512i pair = _mm512_castps_si512(r[i]);
+                _mm512_store_ps(kt + (c + 2 * i) * FMA_KEY_BLOCK + 16 * half, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+                _mm512_store_ps(kt + (c + 2 * i + 1) * FMA_KEY_BLOCK + 16 * half,
+                                _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) __m512 widen16(const bf16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+/* Queries [i0, i1) of one sequence, the heads of KV head ``g``, as prefill_task_dp (the same
+ * rows, masks, online softmax and rounding); VEC = head_dim / 16 and CAPPED (softcap != 0) are
+ * constants (prefill_task_fma_any). ``rows``: the task's rows rounded up to FMA_ROW_BLOCK. */
+static inline __attribute__((always_inline)) void prefill_task_fma(
+        const int VEC, const int CAPPED, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+        int64_t context_len, const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g,
+        int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale, int64_t window, const float *sinks,
+        float softcap, int64_t rows, float *scratch) {
+    const int64_t head_dim = 16 * VEC, group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t real_rows = group * (i1 - i0);
+    const int PV_ROWS = fma_pv_rows(VEC);
+    float *restrict q = scratch;                                   /* [rows][head_dim] */
+    float *restrict o = q + rows * head_dim;                       /* [rows][head_dim] */
+    float *restrict row_max = o + rows * head_dim;                 /* [rows] */
+    float *restrict row_sum = row_max + rows;                      /* [rows] */
+    float *restrict kt = row_sum + rows;                           /* [head_dim][KEY_BLOCK] */
+    float *restrict vs = kt + head_dim * FMA_KEY_BLOCK;            /* [KEY_BLOCK][head_dim] */
+    float *restrict p = vs + FMA_KEY_BLOCK * head_dim;             /* [ROW_BLOCK][KEY_BLOCK] */
+    float *restrict new_max = p + FMA_ROW_BLOCK * FMA_KEY_BLOCK, *restrict correction = new_max + FMA_ROW_BLOCK;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        for (int j = 0; j < VEC; ++j)
+            _mm512_store_ps(q + r * head_dim + 16 * j,
+                            r < real_rows ? widen16(query + ((row0 + i) * num_heads + h) * head_dim + 16 * j)
+                                          : _mm512_setzero_ps());
+        memset(o + r * head_dim, 0, sizeof(float) * head_dim);
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
+    for (int64_t j0 = prefill_first_key(context_len + i0, window); j0 <= last_key; j0 += FMA_KEY_BLOCK) {
+        const int keys = (int)(last_key + 1 - j0 < FMA_KEY_BLOCK ? last_key + 1 - j0 : FMA_KEY_BLOCK);
+        const bf16_t *krows[FMA_KEY_BLOCK];
+        for (int64_t t = 0, block = j0 / block_size, slot = j0 % block_size; t < keys; ++t) {
+            const int64_t at = ((int64_t)table[block] * block_size + slot) * token_stride + g * head_dim;
+            if (++slot == block_size) slot = 0, ++block;
+            krows[t] = key_cache + at;
+            for (int j = 0; j < VEC; ++j) _mm512_store_ps(vs + t * head_dim + 16 * j, widen16(value_cache + at + 16 * j));
+        }
+        for (int t = keys; t < FMA_KEY_BLOCK; ++t)    /* past the keys: zeros (never NaN from memory) */
+            memset(vs + t * head_dim, 0, sizeof(float) * head_dim);
+        widen_keys_transposed(krows, keys, head_dim, kt);
+        for (int64_t r0 = 0; r0 < real_rows; r0 += FMA_ROW_BLOCK) {
+            /* keys of this block each row may see: [hidden, visible) */
+            int visible[FMA_ROW_BLOCK], hidden[FMA_ROW_BLOCK];
+            __mmask16 lo[FMA_ROW_BLOCK], hi[FMA_ROW_BLOCK];
+            int any = 0;
+            for (int rr = 0; rr < FMA_ROW_BLOCK; ++rr) {
+                const int64_t r = r0 + rr;
+                int64_t v = r < real_rows ? context_len + i0 + r / group - j0 + 1 : 0;
+                v = v < 0 ? 0 : v > keys ? keys : v;
+                int64_t before = r < real_rows && window > 0 ? context_len + i0 + r / group - window + 1 - j0 : 0;
+                before = before < 0 ? 0 : before > v ? v : before;
+                visible[rr] = (int)v;
+                hidden[rr] = (int)before;
+                const uint32_t mask = (v >= 32 ? 0xFFFFFFFFu : (1u << v) - 1) & ~(before >= 32 ? 0xFFFFFFFFu : (1u << before) - 1);
+                lo[rr] = (__mmask16)(mask & 0xFFFF);
+                hi[rr] = (__mmask16)(mask >> 16);
+                any |= v > before;
+            }
+            if (!any) continue;     /* the whole block is in these rows' future (or before their windows) */
+            /* scores: FMA_QK_ROWS rows x 32 keys at a time, scaled, capped and masked */
+            for (int rb = 0; rb < FMA_ROW_BLOCK; rb += FMA_QK_ROWS) {
+                int active = 0;
+                for (int rr = rb; rr < rb + FMA_QK_ROWS; ++rr) active |= visible[rr] > hidden[rr];
+                float *sr = p + rb * FMA_KEY_BLOCK;
+                if (!active) {
+                    for (int rr = 0; rr < FMA_QK_ROWS; ++rr) {
+                        _mm512_store_ps(sr + rr * FMA_KEY_BLOCK, minus_inf);
+                        _mm512_store_ps(sr + rr * FMA_KEY_BLOCK + 16, minus_inf);
+                    }
+                    continue;
+                }
+                const float *qb = q + (r0 + rb) * head_dim;
+                __m512 acc[FMA_QK_ROWS][2];
+                _Pragma("GCC unroll 8") for (int rr = 0; rr < FMA_QK_ROWS; ++rr) acc[rr][0] = acc[rr][1] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    const __m512 k0 = _mm512_load_ps(kt + d * FMA_KEY_BLOCK), k1 = _mm512_load_ps(kt + d * FMA_KEY_BLOCK + 16);
+                    _Pragma("GCC unroll 8") for (int rr = 0; rr < FMA_QK_ROWS; ++rr) {
+                        const __m512 qd = _mm512_set1_ps(qb[rr * head_dim + d]);
+                        acc[rr][0] = _mm512_fmadd_ps(qd, k0, acc[rr][0]);
+                        acc[rr][1] = _mm512_fmadd_ps(qd, k1, acc[rr][1]);
+                    }
+                }
+                const __m512 scales = _mm512_set1_ps(scale);
+                _Pragma("GCC unroll 8") for (int rr = 0; rr < FMA_QK_ROWS; ++rr) {
+                    __m512 s0 = _mm512_mul_ps(acc[rr][0], scales), s1 = _mm512_mul_ps(acc[rr][1], scales);
+                    if (CAPPED) {   /* scaled, capped, then masked (the reference's order) */
+                        const __m512 inv = _mm512_set1_ps(1.0f / softcap), cap = _mm512_set1_ps(softcap);
+                        s0 = cap_ps512(s0, inv, cap);
+                        s1 = cap_ps512(s1, inv, cap);
+                    }
+                    _mm512_store_ps(sr + rr * FMA_KEY_BLOCK, _mm512_mask_mov_ps(minus_inf, lo[rb + rr], s0));
+                    _mm512_store_ps(sr + rr * FMA_KEY_BLOCK + 16, _mm512_mask_mov_ps(minus_inf, hi[rb + rr], s1));
+                }
+            }
+            /* online softmax of the 16 rows: rows that see no key of the block keep their state */
+            __m512 m[FMA_ROW_BLOCK];
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < FMA_ROW_BLOCK; ++rr)
+                m[rr] = _mm512_max_ps(_mm512_load_ps(p + rr * FMA_KEY_BLOCK), _mm512_load_ps(p + rr * FMA_KEY_BLOCK + 16));
+            const __m512 block_max = reduce_lanes_16(m, 1), old_max = _mm512_loadu_ps(row_max + r0);
+            const __mmask16 live = _mm512_cmp_ps_mask(block_max, minus_inf, _CMP_GT_OQ);
+            const __m512 top = _mm512_mask_max_ps(old_max, live, old_max, block_max);
+            const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), live, exp_ps512(_mm512_sub_ps(old_max, top)));
+            _mm512_storeu_ps(row_max + r0, top);
+            _mm512_store_ps(new_max, top);
+            _mm512_store_ps(correction, scale_old);
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < FMA_ROW_BLOCK; ++rr) {
+                const __m512 nm = _mm512_set1_ps(new_max[rr]);
+                float *pr = p + rr * FMA_KEY_BLOCK;
+                const __m512 p0 = _mm512_maskz_mov_ps(lo[rr], exp_ps512(_mm512_sub_ps(_mm512_load_ps(pr), nm)));
+                const __m512 p1 = _mm512_maskz_mov_ps(hi[rr], exp_ps512(_mm512_sub_ps(_mm512_load_ps(pr + 16), nm)));
+                _mm512_store_ps(pr, p0);
+                _mm512_store_ps(pr + 16, p1);
+                m[rr] = _mm512_add_ps(p0, p1);
+            }
+            _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), scale_old, reduce_lanes_16(m, 0)));
+            /* PV: PV_ROWS rows' outputs in registers over the keys any of them sees */
+            for (int rb = 0; rb < FMA_ROW_BLOCK; rb += PV_ROWS) {
+                int first = FMA_KEY_BLOCK, end = 0;
+                for (int rr = rb; rr < rb + PV_ROWS; ++rr)
+                    if (visible[rr] > hidden[rr]) {
+                        first = hidden[rr] < first ? hidden[rr] : first;
+                        end = visible[rr] > end ? visible[rr] : end;
+                    }
+                if (first >= end) continue;
+                float *ob = o + (r0 + rb) * head_dim;
+                __m512 acc[4][16];
+                _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr) {
+                    const __m512 c = _mm512_set1_ps(correction[rb + rr]);
+                    for (int j = 0; j < VEC; ++j) acc[rr][j] = _mm512_mul_ps(_mm512_load_ps(ob + rr * head_dim + 16 * j), c);
+                }
+                for (int t = first; t < end; ++t) {
+                    __m512 w[4];
+                    _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr) w[rr] = _mm512_set1_ps(p[(rb + rr) * FMA_KEY_BLOCK + t]);
+                    _Pragma("GCC unroll 16") for (int j = 0; j < VEC; ++j) {
+                        const __m512 v = _mm512_load_ps(vs + t * head_dim + 16 * j);
+                        _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr) acc[rr][j] = _mm512_fmadd_ps(w[rr], v, acc[rr][j]);
+                    }
+                }
+                for (int rr = 0; rr < PV_ROWS; ++rr)
+                    for (int j = 0; j < VEC; ++j) _mm512_store_ps(ob + rr * head_dim + 16 * j, acc[rr][j]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < real_rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        bf16_t *dst = out + ((row0 + i) * num_heads + h) * head_dim;
+        const float inv = row_normaliser(row_sum[r], row_max[r], sinks == NULL ? NULL : sinks + h);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(o[r * head_dim + d] * inv);
+    }
+}
+
+static void prefill_task_fma_any(const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+                                 int64_t context_len, const int32_t *table, const bf16_t *key_cache,
+                                 const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                                 const float *sinks, float softcap, int64_t rows, float *scratch) {
+#define TASK(V, C) prefill_task_fma(V, C, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, \
+                                    num_heads, num_kv_heads, block_size, scale, window, sinks, softcap, rows, scratch)
+#define BY_SIZE(C) switch (head_dim / 16) { \
+        case 2: TASK(2, C); break; case 3: TASK(3, C); break; case 4: TASK(4, C); break; \
+        case 5: TASK(5, C); break; case 6: TASK(6, C); break; case 7: TASK(7, C); break; \
+        case 8: TASK(8, C); break; default: TASK(16, C); break; }
+    if (softcap != 0.0f) BY_SIZE(1)
+    else BY_SIZE(0)
+#undef BY_SIZE
+#undef TASK
+}
+
+int prefill_attention_bf16_fma_built(void) { return 1; }
+#else
+static int prefill_bf16_fma = 0;
+static int fma_path_fits(int64_t head_dim) { (void)head_dim; return 0; }
+int prefill_attention_bf16_fma_built(void) { return 0; }
+#endif
+
+/* Turn the float32-FMA bfloat16 prefill (prefill_task_fma) on or off for this process (off until
+ * asked); returns whether it is now on (never where the build has no AVX-512F). */
+int prefill_attention_bf16_use_fma(int on) {
+    prefill_bf16_fma = on && prefill_attention_bf16_fma_built();
+    return prefill_bf16_fma;
+}
+
+/* Which function prefill() runs for bfloat16 at this head size: 3 for prefill_task_fma, else
+ * attention_path(1, head_dim)'s answer. */
+#define ATTENTION_AVX512_FMA 3
+/* Queries per prefill_task_fma task: with a GQA group of 3, 192 rows share each widened K and V
+ * block (32 queries, as the other prefill functions take, left the widening a larger share). */
+#ifndef FMA_QUERY_TILE
+#define FMA_QUERY_TILE 64
+#endif
+int prefill_attention_bf16_path(int64_t head_dim) {
+    if (prefill_bf16_fma && fma_path_fits(head_dim)) return ATTENTION_AVX512_FMA;
+    return attention_path(1, head_dim);
+}
+
 /* Every prefill sequence of a step: sequence s owns packed rows q_starts[s] ..
  * q_starts[s] + q_lens[s], the last q_lens[s] of its seq_lens[s] tokens. Tasks (sequence,
  * KV head, query tile) go to OpenMP threads. ``window``, ``sinks`` and ``softcap`` as the file's
@@ -1488,9 +1794,12 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
                    const void *key_cache, const void *value_cache, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
                    const float *sinks, float softcap, int num_threads) {
+    /* the float32-FMA bfloat16 function where it is switched on (prefill_attention_bf16_use_fma) */
+    const int fma = is_bf16 && prefill_attention_bf16_path(head_dim) == ATTENTION_AVX512_FMA;
+    const int64_t query_tile = fma ? FMA_QUERY_TILE : PREFILL_QUERY_TILE;
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
-        num_tasks += num_kv_heads * ((q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE);
+        num_tasks += num_kv_heads * ((q_lens[s] + query_tile - 1) / query_tile);
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = (group * PREFILL_QUERY_TILE + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
                          PREFILL_ROWS_AT_ONCE;
@@ -1500,18 +1809,35 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
     for (int64_t task = 0; task < num_tasks; ++task) {
         int64_t rest = task, s = 0;
         for (;; ++s) {
-            const int64_t seq_tasks = num_kv_heads * ((q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE);
+            const int64_t seq_tasks = num_kv_heads * ((q_lens[s] + query_tile - 1) / query_tile);
             if (rest < seq_tasks) break;
             rest -= seq_tasks;
         }
-        const int64_t tiles = (q_lens[s] + PREFILL_QUERY_TILE - 1) / PREFILL_QUERY_TILE;
+        const int64_t tiles = (q_lens[s] + query_tile - 1) / query_tile;
         const int64_t tile = tiles - 1 - rest / num_kv_heads, g = rest % num_kv_heads;
-        const int64_t i0 = tile * PREFILL_QUERY_TILE;
-        const int64_t i1 = i0 + PREFILL_QUERY_TILE < q_lens[s] ? i0 + PREFILL_QUERY_TILE : q_lens[s];
+        const int64_t i0 = tile * query_tile;
+        const int64_t i1 = i0 + query_tile < q_lens[s] ? i0 + query_tile : q_lens[s];
         const int64_t task_rows = (group * (i1 - i0) + PREFILL_ROWS_AT_ONCE - 1) / PREFILL_ROWS_AT_ONCE *
                                   PREFILL_ROWS_AT_ONCE;
         /* A window at least as long as the sequence hides no key: such tasks run unwindowed. */
         const int64_t task_window = window > 0 && window < seq_lens[s] ? window : 0;
+#if defined(__AVX512F__)
+        if (fma) {
+            const int64_t fma_rows = (group * FMA_QUERY_TILE + FMA_ROW_BLOCK - 1) / FMA_ROW_BLOCK * FMA_ROW_BLOCK;
+            const int64_t bytes = (prefill_fma_scratch_bytes(fma_rows, head_dim) + 63) / 64 * 64;
+            float *scratch = aligned_alloc(64, bytes);
+            if (scratch == NULL) {
+                failed = 1;
+                continue;
+            }
+            prefill_task_fma_any(query, out, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
+                                 block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
+                                 num_kv_heads, head_dim, block_size, scale, task_window, sinks, softcap,
+                                 (group * (i1 - i0) + FMA_ROW_BLOCK - 1) / FMA_ROW_BLOCK * FMA_ROW_BLOCK, scratch);
+            free(scratch);
+            continue;
+        }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if (attention_path(is_bf16, head_dim) == ATTENTION_AVX512_BF16) {
             const int64_t dp_rows = (group * PREFILL_QUERY_TILE + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK *

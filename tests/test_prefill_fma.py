@@ -1,0 +1,271 @@
+"""The float32-FMA bfloat16 prefill function (kernels/csrc/paged_attention.c, prefill_task_fma)
+against the reference (kernels/reference.py is the spec), and the start-up choice between it and
+the build's own bfloat16 prefill (backend/model/prefill_attention_choice.py,
+``choose_bf16_prefill_kernel``).
+
+Batches come from tests/paged_batches.py (permuted block tables, NaN in every slot no sequence
+owns and in the block table padding points at), with NaN also in every slot before each
+sequence's window where there is one: a read outside what a query may see shows up. The
+function is built wherever the compiler targets AVX-512F; elsewhere these tests are NOT RUN and
+say why. It is switched on for this process around each test and off after.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from backend.model.architecture import ModelArchitecture
+from backend.model import prefill_attention_choice as choice_module
+from backend.model.cpu_features import detect
+from backend.model.prefill_attention_choice import (BF16_KERNEL_ENV, FMA_MARGIN, choose_bf16_prefill_kernel,
+                                                    choose_prefill_attention)
+from kernels import cpu_native
+from kernels.cpu_attention import plan_attention_cpu
+from kernels.reference import paged_attention_reference
+from tests.paged_batches import make_batch, shape_id
+from tests.test_cpu_attention import CPU_TOLERANCES, poison_before_windows, random_sinks
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+
+needs_kernels = pytest.mark.skipif(cpu_native.load() is None, reason="NOT RUN: the C kernels did not build here")
+needs_fma = pytest.mark.skipif(
+    "avx512f" not in detect().flags or cpu_native.load() is None
+    or not cpu_native.load().prefill_attention_bf16_fma_built(),
+    reason="NOT RUN: the float32-FMA bfloat16 prefill needs AVX-512F (and the C kernels), which this CPU lacks")
+
+
+@pytest.fixture(autouse=True)
+def switched_off_after():
+    """Every test leaves the process-wide switch off, as the engine finds it."""
+    yield
+    if cpu_native.load() is not None:
+        cpu_native.use_prefill_bf16_fma(False)
+
+
+# (query heads, KV heads, head_dim, block size): GQA groups 1, 3 and 4; head_dim 64, 128 and 80
+# (an odd multiple of 16: a half transpose at the end of each key row), and 256 (Gemma 2's).
+SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 80, 16), (4, 1, 256, 16)]
+# (window, sinks, softcap): none; windows of 1, 13 and 37 keys (no multiple of a key block) and
+# one longer than every sequence; sinks alone and with a window; soft-capping alone (a cap of 2: the
+# scores, ~1.3 wide, are well into tanh's bend) and with both.
+CASES = [(None, False, None), (1, False, None), (13, True, None), (37, False, None), ("longer", False, None),
+         (None, True, None), (None, False, 2.0), (21, True, 8.0)]
+
+
+def case_id(case) -> str:
+    window, sinks, softcap = case
+    return f"window-{window or 'none'}{'-sinks' if sinks else ''}{f'-softcap{softcap:g}' if softcap else ''}"
+
+
+def prefill_batch(seed: int, shape: tuple[int, int, int, int]):
+    """A fresh prompt over 2-3 query tiles (64 queries each) and key blocks (32 keys), a chunk
+    over cached context starting mid-block, a short chunk deep in its sequence and a decode row
+    (the prefill kernel must leave it alone)."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    rng = random.Random(seed)
+    specs = [(0, rng.randrange(70, 160)), (rng.randrange(1, 120), rng.randrange(40, 100)),
+             (rng.randrange(150, 230), rng.randrange(2, 12)), (rng.randrange(1, 60), 1)]
+    rng.shuffle(specs)
+    return make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, BF16, CPU), specs
+
+
+def run_prefill(batch, plan, scale: float, window: int | None, sinks, softcap) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    cpu_native.paged_prefill_attention(batch.query, out, plan.prefill_starts, plan.prefill_query_lens,
+                                       plan.prefill_seq_lens, plan.prefill_tables, batch.key_cache, batch.value_cache,
+                                       scale, window=window or 0, sinks=sinks, softcap=softcap or 0.0)
+    return out
+
+
+# Gemma 2's head size (the largest, slowest reference) in fewer cases: plain, window + sinks, capped.
+SHAPE_CASES = [(shape, case) for shape in SHAPES for case in CASES
+               if shape[2] != 256 or case in (CASES[0], CASES[2], CASES[6])]
+
+
+@needs_fma
+@pytest.mark.parametrize("shape,case", SHAPE_CASES, ids=[f"{shape_id(s)}-{case_id(c)}" for s, c in SHAPE_CASES])
+def test_fma_prefill_matches_reference(shape: tuple[int, int, int, int], case) -> None:
+    """Prefill rows through the FMA function on 1 and 2 threads: the reference's result within the
+    CPU paths' bfloat16 bounds (tests/test_cpu_attention.py), no NaN from the slots before the
+    windows, decode rows untouched; a window longer than every sequence gives the bits of none."""
+    num_heads, _, head_dim, block_size = shape
+    window, with_sinks, softcap = case
+    seed = random.randrange(1 << 30)
+    batch, specs = prefill_batch(seed, shape)
+    lens = batch.seq_lens.tolist()
+    if window == "longer":
+        window = max(lens) + random.Random(seed).randrange(1, 20)
+    if window is not None:
+        poison_before_windows(batch, window)
+    sinks = random_sinks(num_heads, seed) if with_sinks else None
+    context = f"seed {seed}, specs {specs}, window {window}, sinks {with_sinks}, softcap {softcap}"
+    scale = 1.3 * head_dim ** -0.5
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale, window, sinks, softcap)
+    plan = plan_attention_cpu(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              torch.zeros(batch.query.shape[0], dtype=torch.int64), block_size)
+    prefill_rows = torch.cat([torch.arange(s, e) for s, e in zip(plan.prefill_starts.tolist(),
+                                                                  (plan.prefill_starts + plan.prefill_query_lens).tolist())])
+    decode_rows = plan.decode_rows
+    assert cpu_native.use_prefill_bf16_fma(True)
+    assert cpu_native.prefill_bf16_path(head_dim) == "avx512-fma"
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            actual = run_prefill(batch, plan, scale, window, sinks, softcap)
+            torch.testing.assert_close(actual[prefill_rows].float(), expected[prefill_rows].float(),
+                                       **CPU_TOLERANCES[BF16], msg=lambda m: f"{n} threads, {context}: {m}")
+            assert actual[decode_rows].isnan().all(), f"the prefill kernel wrote rows not its own ({context})"
+        if case[0] == "longer":
+            torch.testing.assert_close(actual, run_prefill(batch, plan, scale, None, sinks, softcap), atol=0, rtol=0,
+                                       equal_nan=True, msg=lambda m: f"a window past every sequence changed bits "
+                                                                     f"({context}): {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_fma
+def test_the_switch_is_per_process_and_only_for_sizes_it_serves() -> None:
+    """On: bfloat16 prefills at the head sizes it serves take it (others, and float32, keep their
+    functions, which decode shares); off: the build's own again."""
+    own = {head_dim: cpu_native.attention_path(BF16, head_dim) for head_dim in (16, 64, 80, 128, 256, 12)}
+    assert cpu_native.use_prefill_bf16_fma(True)
+    assert [cpu_native.prefill_bf16_path(d) for d in own] == [own[16]] + ["avx512-fma"] * 4 + [own[12]]
+    assert cpu_native.attention_path(BF16, 64) == own[64]        # decode's answer is not the switch's
+    assert not cpu_native.use_prefill_bf16_fma(False)
+    assert all(cpu_native.prefill_bf16_path(d) == path for d, path in own.items())
+
+
+def arch(head_dim: int = 64) -> ModelArchitecture:
+    return ModelArchitecture(model_type="llama", vocab_size=300, hidden_size=9 * head_dim, intermediate_size=160,
+                             num_layers=2, num_heads=9, num_kv_heads=3, head_dim=head_dim, rms_norm_eps=1e-5,
+                             rope_theta=10000.0, rope_scaling=None, max_position_embeddings=1024,
+                             tie_word_embeddings=True, qkv_bias=False, qk_norm=False, initializer_range=0.2)
+
+
+class FakeTimer:
+    """Stands in for time_bf16_prefill_kernels: given ms and errors, and whether it was called."""
+
+    def __init__(self, timings: dict[str, float], errors: dict[str, float] | None = None):
+        self.timings, self.errors, self.calls = timings, errors or {"dp": 0.0, "fma": 0.0}, 0
+
+    def __call__(self, arch, block_size):
+        self.calls += 1
+        return dict(self.timings), dict(self.errors)
+
+
+@needs_fma
+@pytest.mark.parametrize("forced", ["dp", "fma"])
+def test_forcing_each_kernel_works(forced: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit choice (argument or LLM_CPU_PREFILL_BF16_KERNEL) is taken untimed and switched on;
+    the model's prefills then run it (the same output as the reference either way)."""
+    own = cpu_native.attention_path(BF16, 64)
+    expected = "avx512-fma" if forced == "fma" else own
+    timer = FakeTimer({"dp": 1.0, "fma": 1.0})
+    chosen = choose_bf16_prefill_kernel(arch(), 16, forced, timer=timer)
+    assert chosen.kernel == expected == cpu_native.prefill_bf16_path(64) and timer.calls == 0
+    assert f"{BF16_KERNEL_ENV}={forced}" in chosen.why
+    cpu_native.use_prefill_bf16_fma(forced != "fma")               # the other one, then the variable
+    monkeypatch.setenv(BF16_KERNEL_ENV, forced)
+    assert choose_bf16_prefill_kernel(arch(), 16, timer=timer).kernel == expected == cpu_native.prefill_bf16_path(64)
+    # and through the start-up choice the model runner calls, whose log line names it
+    described = choose_prefill_attention("native", BF16, arch(), 16).describe()
+    assert f"bfloat16 prompts in our {expected} function" in described and timer.calls == 0
+    seed = random.randrange(1 << 30)
+    batch, specs = prefill_batch(seed, (9, 3, 64, 16))
+    plan = plan_attention_cpu(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              torch.zeros(batch.query.shape[0], dtype=torch.int64), 16)
+    rows = plan.decode_rows
+    keep = torch.ones(batch.query.shape[0], dtype=torch.bool)
+    keep[rows] = False
+    expected_out = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                             batch.seq_lens, batch.block_tables, 0.125)
+    torch.testing.assert_close(run_prefill(batch, plan, 0.125, None, None, None)[keep].float(),
+                               expected_out[keep].float(), **CPU_TOLERANCES[BF16], msg=lambda m: f"seed {seed}: {m}")
+
+
+@needs_fma
+@pytest.mark.parametrize("timings,picked", [({"dp": 2.0, "fma": 1.0}, "fma"), ({"dp": 1.0, "fma": 2.0}, "dp"),
+                                            ({"dp": 1.0, "fma": 1.0 / FMA_MARGIN * 1.001}, "dp"),
+                                            ({"dp": 1.0, "fma": 1.0 / FMA_MARGIN * 0.99}, "fma")],
+                         ids=["fma-faster", "dp-faster", "within-margin", "past-margin"])
+def test_auto_takes_the_faster_by_the_margin(timings: dict[str, float], picked: str) -> None:
+    timer = FakeTimer(timings)
+    chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
+    expected = "avx512-fma" if picked == "fma" else cpu_native.attention_path(BF16, 64)
+    assert timer.calls == 1 and chosen.kernel == expected == cpu_native.prefill_bf16_path(64)
+    assert chosen.timings_ms == timings and "timed at start-up" in chosen.why
+
+
+@needs_fma
+def test_a_wrong_fma_kernel_is_never_chosen(caplog: pytest.LogCaptureFixture) -> None:
+    timer = FakeTimer({"dp": 2.0}, {"dp": 0.0, "fma": 0.5})
+    with caplog.at_level(logging.WARNING):
+        chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
+    assert chosen.kernel == cpu_native.attention_path(BF16, 64) == cpu_native.prefill_bf16_path(64)
+    assert "our fma function computes wrong results" in caplog.text
+
+
+@needs_fma
+def test_the_real_timing_here() -> None:
+    """The real timer on this machine: both pass the check and get a time; the switch is set to the
+    faster one and the description names it."""
+    chosen = choose_bf16_prefill_kernel(arch(), 16, "auto")
+    assert set(chosen.timings_ms) == {"dp", "fma"} and all(0 < ms < 10_000 for ms in chosen.timings_ms.values())
+    fma_won = chosen.timings_ms["fma"] * FMA_MARGIN < chosen.timings_ms["dp"]
+    assert chosen.kernel == cpu_native.prefill_bf16_path(64) == ("avx512-fma" if fma_won else
+                                                                cpu_native.attention_path(BF16, 64))
+
+
+class NoFmaLibrary:
+    """A build without AVX-512F, as choose_bf16_prefill_kernel sees it."""
+
+    def __init__(self, path: int):
+        self.path = path
+
+    def prefill_attention_bf16_fma_built(self) -> int:
+        return 0
+
+    def prefill_attention_bf16_use_fma(self, on: int) -> int:
+        return 0
+
+    def prefill_attention_bf16_path(self, head_dim: int) -> int:
+        return self.path
+
+
+@needs_kernels
+@pytest.mark.parametrize("choice", ["auto", "fma"])
+def test_without_avx512f_the_builds_own_runs_untimed(choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"dp": 2.0, "fma": 1.0})
+    monkeypatch.setattr(cpu_native, "load", lambda: NoFmaLibrary(1))
+    chosen = choose_bf16_prefill_kernel(arch(), 16, choice, timer=timer)
+    assert chosen.kernel == "avx2" and timer.calls == 0 and "no AVX-512F" in chosen.why
+
+
+@needs_fma
+def test_head_sizes_it_does_not_serve_keep_the_builds_own_untimed() -> None:
+    timer = FakeTimer({"dp": 2.0, "fma": 1.0})
+    chosen = choose_bf16_prefill_kernel(arch(16), 16, "auto", timer=timer)
+    assert chosen.kernel == cpu_native.attention_path(BF16, 16) and timer.calls == 0
+    assert "does not serve head_dim 16" in chosen.why
+
+
+@needs_kernels
+def test_unknown_kernel_names_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BF16_KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match=BF16_KERNEL_ENV):
+        choose_bf16_prefill_kernel(arch(), 16)
+
+
+def test_float32_models_make_no_bf16_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 prefills never run the bfloat16 functions: no choice is made, none is logged."""
+    monkeypatch.setattr(choice_module, "choose_bf16_prefill_kernel",
+                        lambda *args, **kwargs: pytest.fail("chose a bfloat16 kernel for a float32 model"))
+    if choice_module.native_kernel_runs(torch.float32):
+        assert choose_prefill_attention("native", torch.float32, arch(), 16).bf16_kernel is None
