@@ -288,6 +288,19 @@ static inline void soft_cap(float *restrict s, int64_t n, float softcap) {
 void attention_soft_cap(float *s, int64_t n, float softcap) { soft_cap(s, n, softcap); }
 
 /* Element offset of token t's row (num_kv_heads * head_dim elements) in a K or V cache. */
+/* The keys of a prefill block (keys j0 .. j0 + keys - 1) that tile row r may see: [*hidden,
+ * *visible), from its query's position (row r is query i0 + r / group, after context_len cached
+ * tokens; rows past real_rows see none), causality and its window (0: every key). */
+static inline void row_key_range(int64_t r, int64_t real_rows, int64_t group, int64_t context_len, int64_t i0,
+                                 int64_t j0, int64_t keys, int64_t window, int *visible, int *hidden) {
+    int64_t v = r < real_rows ? context_len + i0 + r / group - j0 + 1 : 0;
+    v = v < 0 ? 0 : v > keys ? keys : v;
+    int64_t before = r < real_rows && window > 0 ? context_len + i0 + r / group - window + 1 - j0 : 0;
+    before = before < 0 ? 0 : before > v ? v : before;
+    *visible = (int)v;
+    *hidden = (int)before;
+}
+
 static inline int64_t token_offset(const int32_t *table, int64_t t, int64_t block_size, int64_t token_stride) {
     return ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
 }
@@ -1394,13 +1407,8 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
             __mmask16 masks[PREFILL_ROW_BLOCK];
             int any = 0;
             for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
-                const int64_t r = r0 + rr;
-                int64_t v = r < real_rows ? context_len + i0 + r / group - j0 + 1 : 0;
-                v = v < 0 ? 0 : v > keys ? keys : v;
-                int64_t before = r < real_rows && window > 0 ? context_len + i0 + r / group - window + 1 - j0 : 0;
-                before = before < 0 ? 0 : before > v ? v : before;
-                visible[rr] = (int)v;
-                hidden[rr] = (int)before;
+                row_key_range(r0 + rr, real_rows, group, context_len, i0, j0, keys, window, &visible[rr], &hidden[rr]);
+                const int v = visible[rr], before = hidden[rr];
                 masks[rr] = (v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << v) - 1)) &
                             (__mmask16)~((1u << before) - 1);
                 any |= v > before;
@@ -1636,13 +1644,8 @@ static inline __attribute__((always_inline)) void prefill_task_fma(
             __mmask16 lo[FMA_ROW_BLOCK], hi[FMA_ROW_BLOCK];
             int any = 0;
             for (int rr = 0; rr < FMA_ROW_BLOCK; ++rr) {
-                const int64_t r = r0 + rr;
-                int64_t v = r < real_rows ? context_len + i0 + r / group - j0 + 1 : 0;
-                v = v < 0 ? 0 : v > keys ? keys : v;
-                int64_t before = r < real_rows && window > 0 ? context_len + i0 + r / group - window + 1 - j0 : 0;
-                before = before < 0 ? 0 : before > v ? v : before;
-                visible[rr] = (int)v;
-                hidden[rr] = (int)before;
+                row_key_range(r0 + rr, real_rows, group, context_len, i0, j0, keys, window, &visible[rr], &hidden[rr]);
+                const int v = visible[rr], before = hidden[rr];
                 const uint32_t mask = (v >= 32 ? 0xFFFFFFFFu : (1u << v) - 1) & ~(before >= 32 ? 0xFFFFFFFFu : (1u << before) - 1);
                 lo[rr] = (__mmask16)(mask & 0xFFFF);
                 hi[rr] = (__mmask16)(mask >> 16);
