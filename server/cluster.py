@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.llm_client import PREFIX_KEY_HEADER, SERVED_BY_HEADER
-from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports, terminate_with_parent
+from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, finish_starts, free_ports, terminate_with_parent
 from server.stub.metric_names import READY_FAMILY
 
 DEPLOY_DIR = REPO_ROOT / "deploy"
@@ -461,28 +461,12 @@ class Cluster:
 
     def start(self, timeout: float = 300.0) -> "Cluster":
         require_binary("haproxy")    # before minutes of model loading
-        errors: list[BaseException] = []
-
-        def start_one(server: TritonServer) -> None:
-            try:
-                server.finish_start(timeout)
-            except BaseException as exc:   # noqa: BLE001 - reported below
-                errors.append(exc)
-
         # Processes are started here, on this (long-lived) thread: a process started on a
         # thread that ends gets SIGTERM then (terminate_with_parent). Only the waits are parallel.
         for server in self.servers:
             server.launch()
-
-        threads = [threading.Thread(target=start_one, args=(s,)) for s in self.servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            self.stop()
-            raise errors[0]
         try:
+            finish_starts(self.servers, timeout)
             self.proxy.start()
         except BaseException:
             self.stop()

@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 from server.cluster import Endpoint
-from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, free_ports, terminate_with_parent
+from server.launch import MODEL_NAME, REPO_ROOT, TritonServer, finish_starts, free_ports, terminate_with_parent
 
 DYNAMO_VENV = REPO_ROOT / ".venv-dynamo"
 DYNAMO_PYTHON = DYNAMO_VENV / "bin" / "python"
@@ -225,13 +225,6 @@ class DynamoCluster:
         self._discovery = tempfile.TemporaryDirectory(prefix="llm-dynamo-discovery-")
         env = self.dynamo_environment()
         log = (lambda name: self.log_dir / f"{name}.log") if self.log_dir else (lambda name: None)
-        errors: list[BaseException] = []
-
-        def wait_ready(server: TritonServer) -> None:
-            try:
-                server.finish_start(timeout)
-            except BaseException as exc:   # noqa: BLE001 - reported below
-                errors.append(exc)
 
         try:
             # Processes start on this (long-lived) thread: see terminate_with_parent.
@@ -241,13 +234,7 @@ class DynamoCluster:
             # A worker waits for its replica's model itself, then registers it.
             self.workers = [ChildProcess(f"worker-{e.name}", self._worker_command(python, i), env,
                                          log(f"worker-{e.name}")).start() for i, e in enumerate(self.endpoints)]
-            waits = [threading.Thread(target=wait_ready, args=(s,)) for s in self.servers]
-            for t in waits:
-                t.start()
-            for t in waits:
-                t.join()
-            if errors:
-                raise errors[0]
+            finish_starts(self.servers, timeout)
             self._wait_registered(deadline=time.monotonic() + 120)
             if self.router_mode == "kv":
                 for index in range(len(self.servers)):

@@ -432,6 +432,27 @@ class TritonServer:
         self.stop()
 
 
+def finish_starts(servers: list["TritonServer"], timeout: float = 300.0) -> None:
+    """Wait for every launched server to be ready, the waits in parallel; raises the first
+    failure. The processes must already be launched on the caller's (long-lived) thread: a
+    process started on a thread that ends gets SIGTERM then (terminate_with_parent)."""
+    errors: list[BaseException] = []
+
+    def wait_ready(server: TritonServer) -> None:
+        try:
+            server.finish_start(timeout)
+        except BaseException as exc:   # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait_ready, args=(server,)) for server in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
