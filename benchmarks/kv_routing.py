@@ -2,7 +2,8 @@
 round-robin, on a shared-prefix workload that sends no client key (docs/scaling.md).
 
     python -m benchmarks.kv_routing [--quick] [--modes dynamo-kv,haproxy-affinity,round-robin]
-        [--replicas 2] [--concurrency 4] [--seed 0] [--out benchmarks/results/...json]
+        [--replicas 2] [--concurrency 4] [--think-time 0] [--seed 0] [--rounds 1]
+        [--frontend-arg=--router-...] [--out benchmarks/results/...json]
     python -m benchmarks.kv_routing --kill-burst [--burst 12] [--burst-prompt-tokens 256]
         [--burst-max-tokens 256] [--kill-variants after-first-token,before-first-token,burst-after-kill]
         (workload shape: --systems --documents --systems-per-document --questions
@@ -29,8 +30,11 @@ other, sessions shuffled with the seed):
 System prompts are longer than 256 bytes, so HAProxy's fallback key is the system prompt alone.
 
 Reported per routing: prefix-cache hit rate (prompt tokens served from the cache / looked up,
-summed over the replicas' ``llm_prefix_cache_*_tokens_total``), TTFT p50 / p99 / mean at the
+summed over the replicas' ``llm_prefix_cache_*_tokens_total``) beside the most any routing could
+reach (``single_cache_hit_rate``: one never-evicting cache), TTFT p50 / p99 / mean at the
 client (first streamed text), requests per replica (``llm_request_finished_total``), errors.
+``--rounds N`` runs every routing N times (new seeds, the order rotating) and pools them: the
+hit rate averaged, TTFT percentiles over all requests, each round kept.
 ``--quick``: a small workload and replicas without the step-cost calibration, about a minute
 in all; its figures mean nothing beyond "it runs".
 
@@ -201,8 +205,9 @@ def send_openai(http_url: str, request: Request, max_tokens: int, model: str, ti
                   time.perf_counter() - start, cached)
 
 
-def run_sessions(sessions: list[list[Request]], send, concurrency: int) -> list[Result]:
-    """``concurrency`` users, each taking the next session and sending its requests in order."""
+def run_sessions(sessions: list[list[Request]], send, concurrency: int, think_s: float = 0.0) -> list[Result]:
+    """``concurrency`` users, each taking the next session and sending its requests in order,
+    ``think_s`` apart (from one's end to the next's start)."""
     todo: queue.Queue[list[Request]] = queue.Queue()
     for session in sessions:
         todo.put(session)
@@ -215,7 +220,9 @@ def run_sessions(sessions: list[list[Request]], send, concurrency: int) -> list[
                 session = todo.get_nowait()
             except queue.Empty:
                 return
-            for request in session:
+            for step, request in enumerate(session):
+                if step and think_s:
+                    time.sleep(think_s)
                 result = send(request)
                 with lock:
                     results.append(result)
@@ -247,10 +254,10 @@ def summarize(results: list[Result], rate: float, per_replica: dict[str, float],
 
 
 def run_mode(mode: str, sessions: list[list[Request]], send, metrics_urls: list[str], names: list[str],
-             concurrency: int) -> dict:
+             concurrency: int, think_s: float = 0.0) -> dict:
     before, finished_before = prefix_counters(metrics_urls), finished_per_replica(metrics_urls)
     start = time.perf_counter()
-    results = run_sessions(sessions, send, concurrency)
+    results = run_sessions(sessions, send, concurrency, think_s)
     wall = time.perf_counter() - start
     time.sleep(1.0)    # the counters are exported after the step that finished the last request
     finished_after = finished_per_replica(metrics_urls)
@@ -671,7 +678,12 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--think-time", type=float, default=0.0,
+                        help="seconds between a response's end and the session's next request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every routing this many times (new seeds, the order rotating); "
+                             "the figures pooled over the rounds, each round kept")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine parameter for every replica")
     parser.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
@@ -725,34 +737,86 @@ def warm_up(cluster, prompts: PromptFactory, tokens: int, seed: int) -> None:
                 raise RuntimeError(f"warming up {endpoint.name} failed: {result.error}")
 
 
+def single_cache_hit_rate(prompts: PromptFactory, sessions: list[list[Request]], block_size: int) -> float:
+    """The hit rate of one replica whose prefix cache never evicts, serving the same requests
+    one session after another: the most any routing of them can reach (concurrency aside).
+    Counted as the engine counts it: whole blocks of a cached chain, never the prompt's last
+    token (it must be computed), over all prompt tokens."""
+    cached: set[tuple[int, ...]] = set()
+    hit = queried = 0
+    for session in sessions:
+        for request in session:
+            ids = prompts.tokenizer.encode(request.prompt).ids
+            chains = [tuple(ids[:end]) for end in range(block_size, len(ids) + 1, block_size)]
+            usable = (len(ids) - 1) // block_size
+            matched = 0
+            while matched < min(usable, len(chains)) and chains[matched] in cached:
+                matched += 1
+            hit += matched * block_size
+            queried += len(ids)
+            cached.update(chains)
+    return hit / queried if queried else 0.0
+
+
+def pooled(mode: str, rounds: list[dict]) -> dict:
+    """One routing's rounds together: the requests pooled (TTFT percentiles over all of them),
+    the hit rate and the single-cache bound averaged over the rounds, each round kept."""
+    results = [Result(**r) for summary in rounds for r in summary["results"]]
+    per_replica: dict[str, float] = {}
+    for summary in rounds:
+        for name, count in summary["requests_per_replica"].items():
+            per_replica[name] = per_replica.get(name, 0.0) + count
+    summary = summarize(results, float(np.mean([s["prefix_hit_rate"] for s in rounds])), per_replica,
+                        float(sum(s["wall_s"] for s in rounds)))
+    summary["single_cache_hit_rate"] = float(np.mean([s["single_cache_hit_rate"] for s in rounds]))
+    summary["rounds"] = [{k: v for k, v in s.items() if k != "results"} for s in rounds]
+    each = ", ".join(f"{s['prefix_hit_rate']:.1%}" for s in rounds)
+    print(f"{mode}, {len(rounds)} rounds: prefix-cache hit rate {summary['prefix_hit_rate']:.1%} "
+          f"(rounds {each}; one unbounded cache "
+          f"{summary['single_cache_hit_rate']:.1%}), TTFT p50 {_s(summary['ttft_p50_s'])}, p99 "
+          f"{_s(summary['ttft_p99_s'])}, errors {summary['errors']}", flush=True)
+    summary["results"] = [asdict(r) for r in results]
+    return summary
+
+
 def measure(cluster, args: argparse.Namespace, prompts: PromptFactory) -> dict[str, dict]:
-    """Every routing of ``args.modes`` against a started DynamoCluster's replicas (HAProxy
-    instances are started here for the two HAProxy routings)."""
+    """Every routing of ``args.modes`` against a started DynamoCluster's replicas, ``args.rounds``
+    times, the routings' order rotating each round (HAProxy instances are started here for the
+    two HAProxy routings). Each (routing, round) has its own seed."""
     from server.cluster import HAProxy, ProxyPorts
     from server.launch import free_ports
 
     urls, names = cluster.metrics_urls, [e.name for e in cluster.endpoints]
     warm_up(cluster, prompts, args.system_tokens + args.document_tokens, args.seed + 100)
-    results: dict[str, dict] = {}
-    for mode in args.modes:
-        sessions = workload(prompts, args, args.seed + 1 + MODES.index(mode))
-        proxy = None
-        try:
-            if mode == "dynamo-kv":
-                def send(request: Request) -> Result:
-                    return send_openai(cluster.http_url, request, args.max_tokens, cluster.served_model_name)
-            else:
-                balance = "prefix" if mode == "haproxy-affinity" else "roundrobin"
-                proxy = HAProxy(cluster.endpoints, ProxyPorts(*free_ports(3)), balance=balance,
-                                log_file=args.log_dir / f"haproxy-{balance}.log" if args.log_dir else None).start()
+    rounds: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for round_index in range(args.rounds):
+        shift = round_index % len(args.modes)
+        for mode in args.modes[shift:] + args.modes[:shift]:
+            seed = args.seed + 1 + MODES.index(mode) + len(MODES) * round_index
+            sessions = workload(prompts, args, seed)
+            proxy = None
+            try:
+                if mode == "dynamo-kv":
+                    def send(request: Request) -> Result:
+                        return send_openai(cluster.http_url, request, args.max_tokens, cluster.served_model_name)
+                else:
+                    balance = "prefix" if mode == "haproxy-affinity" else "roundrobin"
+                    proxy = HAProxy(cluster.endpoints, ProxyPorts(*free_ports(3)), balance=balance,
+                                    log_file=args.log_dir / f"haproxy-{balance}.log" if args.log_dir else None
+                                    ).start()
 
-                def send(request: Request, url: str = proxy.http_url) -> Result:
-                    return send_triton(url, request, args.max_tokens)
-            results[mode] = run_mode(mode, sessions, send, urls, names, args.concurrency)
-        finally:
-            if proxy is not None:
-                proxy.stop()
-    return results
+                    def send(request: Request, url: str = proxy.http_url) -> Result:
+                        return send_triton(url, request, args.max_tokens)
+                summary = run_mode(mode, sessions, send, urls, names, args.concurrency, args.think_time)
+            finally:
+                if proxy is not None:
+                    proxy.stop()
+            summary["seed"] = seed
+            summary["single_cache_hit_rate"] = single_cache_hit_rate(prompts, sessions, cluster.limits["block_size"])
+            rounds[mode].append(summary)
+    if args.rounds == 1:
+        return {mode: rs[0] for mode, rs in rounds.items()}
+    return {mode: pooled(mode, rs) for mode, rs in rounds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
