@@ -362,6 +362,12 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 #ifndef FMA_X_BYTES
 #define FMA_X_BYTES (1 << 20)     /* a row block's widened x, at most (bytes; -DFMA_X_BYTES=... to measure) */
 #endif
+#ifndef FMA_WIDE_PANELS
+#define FMA_WIDE_PANELS 1         /* a panel group widened to float32 once per row block (below) */
+#endif
+#ifndef FMA_WIDE_MIN_TILES
+#define FMA_WIDE_MIN_TILES 4      /* ... where the block has at least this many row tiles */
+#endif
 #ifndef LINEAR_BF16_FMA_ROWS
 #define LINEAR_BF16_FMA_ROWS 0    /* fma_min_rows at load (0: off; -D...=1 builds for benchmarks) */
 #endif
@@ -424,6 +430,82 @@ static inline __attribute__((always_inline)) void fma_tile(const int mr, const i
     }
 }
 
+/* A panel group (np <= FMA_NP panels of 16 columns) widened to float32 once, for every row tile
+ * of a block: per pair of k, the odd k's FMA_NP vectors, then the even k's (wt[(2 * kk + odd?0:1)
+ * * FMA_NP * NR + p * NR]). The tile then loads float32 weights and does no widening of its own:
+ * per pair 6 loads and 48 FMAs instead of 3 loads, 6 ALU operations and 48 FMAs, the ALU
+ * operations competing with the FMAs for the same two ports. Same products, same order of
+ * additions: the same sums bit for bit. */
+static void fma_widen_group(const int np, const int64_t pairs, const uint16_t *restrict panel,
+                            const int64_t panel_stride, float *restrict wt) {
+    const __m512i odd_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        float *to = wt + kk * 2 * FMA_NP * NR;
+        for (int p = 0; p < FMA_NP; ++p) {
+            if (p < np) {
+                const __m512i pair = _mm512_loadu_si512(panel + p * panel_stride + kk * 2 * NR);
+                _mm512_store_ps(to + p * NR, _mm512_castsi512_ps(_mm512_and_si512(pair, odd_half)));
+                _mm512_store_ps(to + (FMA_NP + p) * NR, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+            } else {
+                _mm512_store_ps(to + p * NR, _mm512_setzero_ps());
+                _mm512_store_ps(to + (FMA_NP + p) * NR, _mm512_setzero_ps());
+            }
+        }
+    }
+}
+
+/* fma_tile over a widened panel group (fma_widen_group). */
+static inline __attribute__((always_inline)) void fma_tile_wide(const int mr, const int np, const int64_t pairs,
+                                                                const float *restrict x, const float *restrict wt,
+                                                                const float *restrict bias, float *restrict yf,
+                                                                uint16_t *restrict yb, const int64_t ldy,
+                                                                const int64_t ncols) {
+    __m512 acc[FMA_MR][FMA_NP];
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r)
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        const float *w_at = wt + kk * 2 * FMA_NP * NR;
+        __m512 w[FMA_NP];
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) w[p] = _mm512_load_ps(w_at + p * NR);
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[(2 * kk + 1) * FMA_MR + r]);
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+        }
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) w[p] = _mm512_load_ps(w_at + (FMA_NP + p) * NR);
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[2 * kk * FMA_MR + r]);
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+        }
+    }
+    _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+        const int64_t left = ncols - p * NR;
+        const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + p * NR) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 out = _mm512_add_ps(acc[r][p], b);
+            if (yb) _mm256_mask_storeu_epi16(yb + r * ldy + p * NR, keep, fma_to_bf16(out));
+            else _mm512_mask_storeu_ps(yf + r * ldy + p * NR, keep, out);
+        }
+    }
+}
+
+static void fma_tile_wide_any(const int mr, const int np, const int64_t pairs, const float *x, const float *wt,
+                              const float *bias, float *yf, uint16_t *yb, const int64_t ldy, const int64_t ncols) {
+#define TILE(R, P) fma_tile_wide(R, P, pairs, x, wt, bias, yf, yb, ldy, ncols)
+#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
+                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
+                       case 2: TILE(2, P); break; default: TILE(1, P); break;
+    if (np == 3) {
+        switch (mr) { ROWS_1_TO_8(3) }
+    } else if (np == 2) {
+        switch (mr) { ROWS_1_TO_8(2) }
+    } else {
+        switch (mr) { ROWS_1_TO_8(1) }
+    }
+#undef ROWS_1_TO_8
+#undef TILE
+}
+
 static void fma_tile_any(const int mr, const int np, const int64_t pairs, const float *x, const uint16_t *panel,
                          const int64_t panel_stride, const float *bias, float *yf, uint16_t *yb, const int64_t ldy,
                          const int64_t ncols, const int prefetch) {
@@ -443,20 +525,28 @@ static void fma_tile_any(const int mr, const int np, const int64_t pairs, const 
 }
 
 /* Rows [r0, r1) (r0 a multiple of FMA_MR) of the widened x, in tiles of FMA_MR rows of
- * 2 * pairs k each, times panel groups [g0, g1) into y. */
+ * 2 * pairs k each, times panel groups [g0, g1) into y. ``wt``: a thread's scratch for a widened
+ * panel group (fma_widen_group), used where the block has FMA_WIDE_MIN_TILES tiles or more;
+ * NULL: the tiles widen the weights in registers. */
 static void fma_block(const float *wide, const int64_t r0, const int64_t r1, const int64_t g0, const int64_t g1,
                       const int64_t pairs, const uint16_t *packed, const int64_t n, const float *bias, float *yf,
-                      uint16_t *yb) {
+                      uint16_t *yb, float *wt) {
     const int64_t panels = (n + NR - 1) / NR, panel_stride = pairs * 2 * NR;
+    const int use_wt = wt != NULL && (r1 - r0) >= FMA_WIDE_MIN_TILES * FMA_MR;
     for (int64_t g = g0; g < g1; ++g) {
         const int64_t q = g * FMA_NP, column = q * NR;
         const int np = panels - q < FMA_NP ? (int)(panels - q) : FMA_NP;
+        if (use_wt) fma_widen_group(np, pairs, packed + q * panel_stride, panel_stride, wt);
         for (int64_t r = r0; r < r1; r += FMA_MR) {
             const int mr = r1 - r < FMA_MR ? (int)(r1 - r) : FMA_MR;
             const int64_t at = r * n + column;
-            fma_tile_any(mr, np, pairs, wide + r * pairs * 2, packed + q * panel_stride, panel_stride,
-                         bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column,
-                         r == r0);
+            if (use_wt)
+                fma_tile_wide_any(mr, np, pairs, wide + r * pairs * 2, wt, bias ? bias + column : NULL,
+                                  yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column);
+            else
+                fma_tile_any(mr, np, pairs, wide + r * pairs * 2, packed + q * panel_stride, panel_stride,
+                             bias ? bias + column : NULL, yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column,
+                             r == r0);
         }
     }
 }
@@ -476,6 +566,10 @@ static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
     if (blocks > 1) block = ((m + blocks - 1) / blocks + FMA_MR - 1) / FMA_MR * FMA_MR;
 #pragma omp parallel num_threads(threads)
     {
+        /* this thread's widened panel group (fma_block), where the row blocks are tall enough */
+        float *wt = NULL;
+        if (FMA_WIDE_PANELS && groups >= threads && block >= FMA_WIDE_MIN_TILES * FMA_MR)
+            wt = aligned_alloc(64, sizeof(float) * (size_t)(pairs * 2 * FMA_NP * NR));
         /* x widened tile by tile, k-major within a tile (a pair's broadcasts at fixed offsets from
          * one pointer); the last tile's missing rows are zeros. */
 #pragma omp for schedule(static)
@@ -492,15 +586,17 @@ static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
             for (int64_t r0 = 0; r0 < m; r0 += block) {
                 const int64_t r1 = m - r0 < block ? m : r0 + block;
 #pragma omp for schedule(static) nowait
-                for (int64_t g = 0; g < groups; ++g) fma_block(wide, r0, r1, g, g + 1, pairs, packed, n, bias, yf, yb);
+                for (int64_t g = 0; g < groups; ++g)
+                    fma_block(wide, r0, r1, g, g + 1, pairs, packed, n, bias, yf, yb, wt);
             }
         } else {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t r0 = t * FMA_MR, r1 = m - r0 < FMA_MR ? m : r0 + FMA_MR;
-                fma_block(wide, r0, r1, 0, groups, pairs, packed, n, bias, yf, yb);
+                fma_block(wide, r0, r1, 0, groups, pairs, packed, n, bias, yf, yb, NULL);
             }
         }
+        free(wt);
     }
     free(wide);
     return 0;
