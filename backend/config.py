@@ -79,6 +79,14 @@ class EngineConfig:
                                                # timed at start-up elsewhere (SDPA from the prompt length where
                                                # it wins); measure: always timed
                                                # (backend/model/prefill_attention_choice.py)
+    cpu_linear_fma_rows: int | None = None     # CPU bfloat16, our kernel: calls of at least this many rows run
+                                               # float32 FMAs over the bfloat16 weights instead of bf16 dot
+                                               # products (AVX-512F builds); None: timed at start-up, 0: never
+                                               # (backend/model/cpu_linear_tuning.choose_fma_rows)
+    cpu_prefill_bf16_kernel: Literal["auto", "dp", "fma"] = "auto"  # CPU bfloat16 prompt attention, ours:
+                                               # the build's own function (dp) or the float32-FMA one (fma,
+                                               # AVX-512F); auto: timed at start-up
+                                               # (backend/model/prefill_attention_choice.py)
     fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
                                                # backend (kernels/triton_layer_ops.py); false: torch ops
@@ -175,6 +183,8 @@ class EngineConfig:
         check(self.cpu_prefill_attention in CPU_PREFILL_ATTENTION_CHOICES,
               f"cpu_prefill_attention must be one of {CPU_PREFILL_ATTENTION_CHOICES}")
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        check(self.cpu_linear_fma_rows is None or self.cpu_linear_fma_rows >= 0, "cpu_linear_fma_rows must be >= 0")
+        check(self.cpu_prefill_bf16_kernel in ("auto", "dp", "fma"), "cpu_prefill_bf16_kernel must be auto, dp or fma")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")

@@ -21,7 +21,7 @@ from backend.model import cpu_linear_tuning
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear import bf16_fma_built, bf16_fma_rows, pack_pairs, use_bf16_fma_rows
-from backend.model.cpu_linear_tuning import (FMA_CANDIDATE_ROWS, FMA_MARGIN, FMA_ROWS_ENV, FmaTiming,
+from backend.model.cpu_linear_tuning import (FMA_CANDIDATE_ROWS, FMA_MARGIN, FmaTiming,
                                              choose_cpu_linear, choose_fma_rows, fma_shapes, fma_threshold, time_fma)
 from kernels import cpu_native
 from tests.test_linear_bf16 import within_one_rounding
@@ -199,9 +199,7 @@ def test_threshold_is_where_the_fmas_win_from_there_on() -> None:
     assert fma_threshold([]) == 0
 
 
-def test_choice_is_timed_and_set_where_it_runs(restore_threshold, monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.delenv(FMA_ROWS_ENV, raising=False)
+def test_choice_is_timed_and_set_where_it_runs(restore_threshold, caplog: pytest.LogCaptureFixture) -> None:
     if not bf16_fma_built():
         pytest.skip("NOT RUN: the engine's build has no FMA version (needs AVX-512F, which this CPU lacks)")
     if cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS:
@@ -217,19 +215,17 @@ def test_choice_is_timed_and_set_where_it_runs(restore_threshold, monkeypatch: p
         rows, note = choose_fma_rows("native", arch, features=AVX512_BF16,
                                      timer=fake_timer({64: 9.0}, {64: 1.0}, error=0.5))
     assert rows == 0 and "wrong results" in note and "float32-FMA version computes wrong results" in caplog.text
-    # The environment's threshold instead of a timing.
-    monkeypatch.setenv(FMA_ROWS_ENV, "96")
+    # The configured threshold (EngineConfig.cpu_linear_fma_rows) instead of a timing.
     untimed = fake_timer({}, {})
-    choice = choose_cpu_linear("native", torch.bfloat16, arch, features=AVX512_BF16, fma_timer=untimed)
-    assert choice.fma_min_rows == 96 and bf16_fma_rows() == 96 and FMA_ROWS_ENV in choice.why and not untimed.calls
-    monkeypatch.setenv(FMA_ROWS_ENV, "0")
+    choice = choose_cpu_linear("native", torch.bfloat16, arch, features=AVX512_BF16, fma_timer=untimed, fma_rows=96)
+    assert choice.fma_min_rows == 96 and bf16_fma_rows() == 96 and "cpu_linear_fma_rows" in choice.why
+    assert not untimed.calls
     assert choose_cpu_linear("native", torch.bfloat16, arch, features=AVX512_BF16,
-                             fma_timer=untimed).fma_min_rows == 0 and bf16_fma_rows() == 0
+                             fma_timer=untimed, fma_rows=0).fma_min_rows == 0 and bf16_fma_rows() == 0
 
 
 def test_not_timed_where_it_cannot_run(restore_threshold, monkeypatch: pytest.MonkeyPatch) -> None:
     arch, timer = tiny_arch(), fake_timer({64: 9.0}, {64: 1.0})
-    monkeypatch.delenv(FMA_ROWS_ENV, raising=False)
     use_bf16_fma_rows(64)
     # No AVX-512 (the machine faked), another path, int8 projections, a float32 model.
     assert choose_fma_rows("native", arch, features=AVX2, timer=timer) == (0, "")
@@ -258,7 +254,6 @@ def test_real_timing_picks_a_valid_threshold(restore_threshold, monkeypatch: pyt
     assert [t.rows for t in timings] == [32, 64] and all(t.dot_ms > 0 and t.fma_ms > 0 for t in timings)
     assert error <= cpu_linear_tuning.TOLERANCE[torch.bfloat16]
     assert fma_threshold(timings) in (0, 32, 64)
-    monkeypatch.delenv(FMA_ROWS_ENV, raising=False)
     if cpu_native.linear_bf16_version() not in cpu_native.AMX_VERSIONS:
         rows, note = choose_fma_rows("native", tiny_arch(), features=detect() if detect().avx512 else AVX512_BF16)
         assert rows in (0, *FMA_CANDIDATE_ROWS) and "float32 FMAs" in note

@@ -18,10 +18,11 @@ import random
 import pytest
 import torch
 
+from backend.config import EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.model import prefill_attention_choice as choice_module
 from backend.model.cpu_features import detect
-from backend.model.prefill_attention_choice import (BF16_KERNEL_ENV, FMA_MARGIN, choose_bf16_prefill_kernel,
+from backend.model.prefill_attention_choice import (FMA_MARGIN, choose_bf16_prefill_kernel,
                                                     choose_prefill_attention)
 from kernels import cpu_native
 from kernels.cpu_attention import plan_attention_cpu
@@ -162,20 +163,18 @@ class FakeTimer:
 
 @needs_fma
 @pytest.mark.parametrize("forced", ["dp", "fma"])
-def test_forcing_each_kernel_works(forced: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An explicit choice (argument or LLM_CPU_PREFILL_BF16_KERNEL) is taken untimed and switched on;
+def test_forcing_each_kernel_works(forced: str) -> None:
+    """An explicit choice (EngineConfig.cpu_prefill_bf16_kernel) is taken untimed and switched on;
     the model's prefills then run it (the same output as the reference either way)."""
     own = cpu_native.attention_path(BF16, 64)
     expected = "avx512-fma" if forced == "fma" else own
     timer = FakeTimer({"dp": 1.0, "fma": 1.0})
     chosen = choose_bf16_prefill_kernel(arch(), 16, forced, timer=timer)
     assert chosen.kernel == expected == cpu_native.prefill_bf16_path(64) and timer.calls == 0
-    assert f"{BF16_KERNEL_ENV}={forced}" in chosen.why
-    cpu_native.use_prefill_bf16_fma(forced != "fma")               # the other one, then the variable
-    monkeypatch.setenv(BF16_KERNEL_ENV, forced)
-    assert choose_bf16_prefill_kernel(arch(), 16, timer=timer).kernel == expected == cpu_native.prefill_bf16_path(64)
+    assert f"cpu_prefill_bf16_kernel={forced}" in chosen.why
+    cpu_native.use_prefill_bf16_fma(forced != "fma")               # the other one, then through the runner's call
     # and through the start-up choice the model runner calls, whose log line names it
-    described = choose_prefill_attention("native", BF16, arch(), 16).describe()
+    described = choose_prefill_attention("native", BF16, arch(), 16, bf16_kernel=forced).describe()
     assert f"bfloat16 prompts in our {expected} function" in described and timer.calls == 0
     seed = random.randrange(1 << 30)
     batch, specs = prefill_batch(seed, (9, 3, 64, 16))
@@ -257,10 +256,11 @@ def test_head_sizes_it_does_not_serve_keep_the_builds_own_untimed() -> None:
 
 
 @needs_kernels
-def test_unknown_kernel_names_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BF16_KERNEL_ENV, "fastest")
-    with pytest.raises(ValueError, match=BF16_KERNEL_ENV):
-        choose_bf16_prefill_kernel(arch(), 16)
+def test_unknown_kernel_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="cpu_prefill_bf16_kernel"):
+        choose_bf16_prefill_kernel(arch(), 16, "fastest")
+    with pytest.raises(ValueError, match="cpu_prefill_bf16_kernel"):
+        EngineConfig(cpu_prefill_bf16_kernel="fastest")
 
 
 def test_float32_models_make_no_bf16_choice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,15 +36,14 @@ products (or the AVX2 version) against the FMAs, alternating round by round. Pro
 are compute-bound, and on some CPUs ``vdpbf16ps`` has half the float32 FMAs' rate (the 2-core
 Emerald Rapids Xeon: docs/benchmarks.md); decode-sized ones stream the weight, which is what the
 dot products are fast at. The FMAs run from the smallest timed row count from which they were
-``FMA_MARGIN`` faster at every timed count, else never; ``FMA_ROWS_ENV`` sets the threshold
-instead (0: never). The log line of the linear layers gives the threshold and the figures.
+``FMA_MARGIN`` faster at every timed count, else never; ``cpu_linear_fma_rows`` (EngineConfig)
+sets the threshold instead (0: never). The log line of the linear layers gives the threshold and the figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -218,19 +217,20 @@ def fastest(timings: list[PathTiming]) -> PathTiming:
 def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, on_cpu: bool = True,
                       max_num_seqs: int = DECODE_ROWS, quantization: str = "none", features: CpuFeatures | None = None,
                       timer: Callable[..., tuple[list[PathTiming], dict[str, float]]] = time_paths,
-                      fma_timer: Callable[..., tuple[list[FmaTiming], float]] | None = None) -> LinearChoice:
+                      fma_timer: Callable[..., tuple[list[FmaTiming], float]] | None = None,
+                      fma_rows: int | None = None) -> LinearChoice:
     """The linear-layer path, and why: an explicit choice as given; ``auto`` by the measured rule
     where it has figures for this CPU and dtype, else timed as ``measure`` is. Where that is our
-    bfloat16 kernel, also from how many rows it runs float32 FMAs (``choose_fma_rows``), which is
-    set for the process here. ``features``, ``timer`` and ``fma_timer``: tests fake the machine
-    and the clocks."""
+    bfloat16 kernel, also from how many rows it runs float32 FMAs (``choose_fma_rows``; ``fma_rows``:
+    EngineConfig.cpu_linear_fma_rows), which is set for the process here. ``features``, ``timer``
+    and ``fma_timer``: tests fake the machine and the clocks."""
     features = features or detect()
     linear = _choose_path(choice, dtype, arch, on_cpu, max_num_seqs, quantization, features, timer)
     if not (on_cpu and dtype == torch.bfloat16):
         return linear
-    fma_rows, note = choose_fma_rows(linear.path, arch, quantization, features, fma_timer or time_fma)
-    use_bf16_fma_rows(fma_rows)
-    return dataclasses.replace(linear, why=f"{linear.why}; {note}", fma_min_rows=fma_rows) if note else linear
+    rows, note = choose_fma_rows(linear.path, arch, quantization, features, fma_timer or time_fma, fma_rows)
+    use_bf16_fma_rows(rows)
+    return dataclasses.replace(linear, why=f"{linear.why}; {note}", fma_min_rows=rows) if note else linear
 
 
 def _choose_path(choice: str, dtype: torch.dtype, arch: ModelArchitecture, on_cpu: bool, max_num_seqs: int,
@@ -281,7 +281,6 @@ FMA_CANDIDATE_ROWS = (32, 64, 128, 256, 512)   # thresholds tried: prompt chunks
 FMA_MARGIN = 1.05          # the FMAs must be this much faster at a row count to run there
 FMA_MAX_WEIGHTS = 1 << 21  # a timed projection's weight, at most (elements: columns cut beyond; SmolLM2 is whole)
 FMA_CHECK_ROWS = 37        # the rows the FMAs' output is checked at (every tile shape: 4 x 8 rows and 5)
-FMA_ROWS_ENV = "LLM_CPU_LINEAR_FMA_ROWS"   # a threshold instead of the timing (0: never)
 FMA_ROUNDS = 5             # ~60 ms a round for SmolLM2-135M's layer on the 2-core Xeon
 
 
@@ -360,20 +359,21 @@ def fma_threshold(timings: list[FmaTiming]) -> int:
 
 def choose_fma_rows(path: str, arch: ModelArchitecture, quantization: str = "none",
                     features: CpuFeatures | None = None,
-                    timer: Callable[..., tuple[list[FmaTiming], float]] = time_fma) -> tuple[int, str]:
+                    timer: Callable[..., tuple[list[FmaTiming], float]] = time_fma,
+                    forced: int | None = None) -> tuple[int, str]:
     """From how many rows our bfloat16 kernel runs float32 FMAs (0: never), and a note for the
     log ('' where there is nothing to say: another path, no FMA version here). Timed where the
     bfloat16 projections run our kernel's dot products or AVX2 version and the FMA version is
     built (AVX-512F); not where its AMX version is built (its tiles take every call of 2 rows and
-    more) or the projections are quantized. ``FMA_ROWS_ENV`` in the environment: that threshold."""
+    more) or the projections are quantized. ``forced`` (EngineConfig.cpu_linear_fma_rows): that
+    threshold, untimed."""
     features = features or detect()
     if (path != "native" or quantization != "none" or not features.avx512
             or cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS or not bf16_fma_built()):
         return 0, ""
-    forced = os.environ.get(FMA_ROWS_ENV)
     if forced is not None:
         rows = max(int(forced), 0)
-        return rows, f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} ({FMA_ROWS_ENV})"
+        return rows, f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} (cpu_linear_fma_rows)"
     timings, error = timer(fma_shapes(arch))
     if not error <= TOLERANCE[torch.bfloat16]:
         logger.warning("cpu_linear: the bfloat16 kernel's float32-FMA version computes wrong results on this CPU "

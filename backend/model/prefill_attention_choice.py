@@ -32,15 +32,14 @@ faster; on CPUs with full-rate dot products the first may be. So it is timed her
 the CPU's name: one prefill (``BF16_TILE``: new tokens over cached context) at the model's head
 shape, each function's best of ``BF16_ROUNDS`` alternating calls, after both are checked against the
 reference; ``fma`` only where it wins by ``FMA_MARGIN``. Without AVX-512F, or at head sizes
-the FMA function does not serve, the build's own runs, untimed. ``LLM_CPU_PREFILL_BF16_KERNEL``
-(``auto``, ``dp``, ``fma``) forces it. The switch is process-wide (the C decoder's prefills take
+the FMA function does not serve, the build's own runs, untimed. ``cpu_prefill_bf16_kernel``
+(EngineConfig: ``auto``, ``dp``, ``fma``) forces it. The switch is process-wide (the C decoder's prefills take
 it too); the start-up log names the function and the timings.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -72,7 +71,6 @@ Timings = dict[tuple[int, int], dict[PrefillAttention, float]]   # (new tokens, 
 
 # The bfloat16 prefill functions of ours (choose_bf16_prefill_kernel): the build's own, the float32-FMA one.
 BF16_KERNELS = ("dp", "fma")
-BF16_KERNEL_ENV = "LLM_CPU_PREFILL_BF16_KERNEL"    # auto (default), dp or fma
 BF16_TILE = (256, 768)         # (new tokens, cached context) of the timed prefill: a chunk of a long prompt
 # fma must be this much faster (ties keep the build's own, which the engine ran before).
 FMA_MARGIN = 1.03
@@ -206,15 +204,14 @@ def time_bf16_prefill_kernels(arch: ModelArchitecture, block_size: int, rounds: 
     return best, errors
 
 
-def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice: str | None = None,
+def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice: str = "auto",
                                timer: Callable[..., tuple[dict[str, float], dict[str, float]]]
                                = time_bf16_prefill_kernels) -> Bf16PrefillKernel:
     """Which of our bfloat16 prefill functions runs in this process, chosen and switched on here
-    (the module's docstring says how). ``choice``: ``auto``, ``dp`` or ``fma`` (None:
-    ``LLM_CPU_PREFILL_BF16_KERNEL``, else ``auto``); ``timer``: tests fake the clock."""
-    choice = (choice or os.environ.get(BF16_KERNEL_ENV) or "auto").strip().lower()
+    (the module's docstring says how). ``choice`` (EngineConfig.cpu_prefill_bf16_kernel):
+    ``auto``, ``dp`` or ``fma``; ``timer``: tests fake the clock."""
     if choice not in ("auto", *BF16_KERNELS):
-        raise ValueError(f"{BF16_KERNEL_ENV} must be auto, dp or fma, got {choice!r}")
+        raise ValueError(f"cpu_prefill_bf16_kernel must be auto, dp or fma, got {choice!r}")
     head_dim = arch.head_dim
     # Whether the FMA function serves this model here: built (AVX-512F) and fits the head size.
     fits = cpu_native.use_prefill_bf16_fma(True) and cpu_native.prefill_bf16_path(head_dim) == "avx512-fma"
@@ -227,7 +224,7 @@ def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice:
     if choice != "auto":
         on = cpu_native.use_prefill_bf16_fma(choice == "fma")
         return Bf16PrefillKernel(cpu_native.prefill_bf16_path(head_dim),
-                                 f"{BF16_KERNEL_ENV}={choice}" + ("" if on == (choice == "fma") else ": not built"))
+                                 f"cpu_prefill_bf16_kernel={choice}" + ("" if on == (choice == "fma") else ": not built"))
     timings, errors = timer(arch, block_size)
     for kernel, error in errors.items():
         if error > TOLERANCE[torch.bfloat16]:
@@ -265,9 +262,10 @@ def sdpa_threshold(timings: Timings) -> int | None:
 def choose_prefill_attention(choice: str, dtype: torch.dtype, arch: ModelArchitecture, block_size: int,
                              cpu_attention: bool = True, features: CpuFeatures | None = None,
                              timer: Callable[..., tuple[Timings, dict]] = time_prefill_attention,
-                             ) -> PrefillAttentionChoice:
+                             bf16_kernel: str = "auto") -> PrefillAttentionChoice:
     """The kernel for prefills, and why: an explicit choice as given (``sdpa``: every
     prefill); ``auto`` by the measured rule where it has figures, else timed as ``measure`` is.
+    ``bf16_kernel``: which of our bfloat16 functions (``choose_bf16_prefill_kernel``).
     ``cpu_attention``: the model runs the ``cpu`` attention backend (elsewhere the setting has no
     effect). ``features`` and ``timer``: tests fake the machine and the clock."""
     if choice not in CPU_PREFILL_ATTENTION_CHOICES:
@@ -280,7 +278,7 @@ def choose_prefill_attention(choice: str, dtype: torch.dtype, arch: ModelArchite
         return PrefillAttentionChoice(native, f"our C kernel does not run for {dtype} here: "
                                               f"torch's path attends every prefill")
     # Which of our bfloat16 functions, first: the timing against SDPA below runs it.
-    kernel = choose_bf16_prefill_kernel(arch, block_size) if dtype == torch.bfloat16 else None
+    kernel = choose_bf16_prefill_kernel(arch, block_size, bf16_kernel) if dtype == torch.bfloat16 else None
     if choice == "native":
         return PrefillAttentionChoice(native, "cpu_prefill_attention=native", bf16_kernel=kernel)
     if choice == "sdpa":

@@ -106,8 +106,10 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, arch)
         self.attention = attention_backend_for(config.attention_backend, self.device)
         linear_choice = choose_cpu_linear(config.cpu_linear, self.dtype, arch, self.device.type == "cpu",
-                                          config.max_num_seqs, config.quantization)
+                                          config.max_num_seqs, config.quantization,
+                                          fma_rows=config.cpu_linear_fma_rows)
         self.cpu_linear = linear_choice.path
+        self.bf16_fma_rows = linear_choice.fma_min_rows     # our bf16 kernel's float32 FMAs from these rows
         self.onednn_batch_hint = linear_choice.onednn_batch_hint
         # What the start-up chose and why, a line each: logged here, printed by the served model.
         self.startup_notes: list[str] = [f"weights and KV cache in {self.dtype_choice}"]
@@ -131,7 +133,8 @@ class ModelRunner:
                                 self.onednn_batch_hint)
         self.prefill_attention = choose_prefill_attention(
             config.cpu_prefill_attention, self.dtype, arch, self.block_size,
-            self.device.type == "cpu" and self.attention.honours_sdpa_choice)
+            self.device.type == "cpu" and self.attention.honours_sdpa_choice,
+            bf16_kernel=config.cpu_prefill_bf16_kernel)
         self.model.sdpa_prompt_min_tokens = self.prefill_attention.sdpa_min_tokens
         if self.device.type == "cpu":
             self.startup_notes.append(f"prompt attention: {self.prefill_attention.describe()}")
@@ -241,6 +244,10 @@ class ModelRunner:
             "attention_backend": self.attention.name.value,
             "cpu_linear": self.cpu_linear,
             "sdpa_prompt_min_tokens": self.model.sdpa_prompt_min_tokens,
+            # which of our bfloat16 kernels run (start-up timings or the engine parameters)
+            "bf16_fma_rows": self.bf16_fma_rows,
+            "prefill_bf16_kernel": (None if self.prefill_attention.bf16_kernel is None
+                                    else self.prefill_attention.bf16_kernel.kernel),
             "onednn_batch_hint": self.onednn_batch_hint,
             "fused_layer_ops": self.model.fused_layer_ops,
             # on or off by the start-up probe (kernels/amx_probe.py): the same build can run either
