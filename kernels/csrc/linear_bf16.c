@@ -340,8 +340,11 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
  * float32 copy, k-major within each tile of rows (x[tile][k][FMA_MR]), so a row's k is one
  * broadcast at a fixed offset from one pointer (with a row stride, the 8 rows' pointers did not
  * fit the general registers and spilled). A tile is FMA_MR rows x FMA_NP panels (8 x 48 columns):
- * 24 accumulators, 3 widened weights and a broadcast of the 32 zmm registers; per pair
- * of k 3 weight loads and 6 widening operations (ALU) for 48 FMAs. The odd k of a pair is added
+ * 24 accumulators, 3 widened weights and a broadcast of the 32 zmm registers. Widening in
+ * registers costs, per pair of k, 3 weight loads and 6 ALU operations (on the FMAs' ports) for
+ * 48 FMAs; so where a row block has FMA_WIDE_MIN_TILES tiles or more, each thread first widens
+ * its panel group to float32 once (fma_widen_group) and the tiles only load and multiply
+ * (fma_tile_wide; FMA_WIDE_PANELS=0 builds without it). The odd k of a pair is added
  * first, then the even one: the order of Intel's pseudocode for vdpbf16ps, whose two additions
  * are each rounded as an FMA's, so the sums can be the dot products' bit for bit (they were on
  * the Emerald Rapids Xeon: tests/test_linear_fma.py prints it), denormals apart, which vdpbf16ps
@@ -349,7 +352,8 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
  * in the dot-product version; rows go in blocks whose widened copy fits FMA_X_BYTES (in L2 while
  * a thread's panels pass). Where there are fewer groups than threads, the threads split the rows.
  * Measured there (benchmarks/cpu_linear.py --per-shape, SmolLM2-135M's projections, 2 threads):
- * ~300 GFLOP/s at 64 and 512 rows against the dot products' ~190.
+ * ~300 GFLOP/s at 64 and 512 rows against the dot products' ~190 (the group widened once:
+ * docs/benchmarks.md, "Where a long prompt's prefill goes").
  * Built where the compiler targets AVX-512F (with the AVX512_BF16 version, or the AVX2 one on
  * AVX-512 CPUs without BF16); elsewhere linear_bf16_use_fma answers 0 and nothing changes. */
 #if LINEAR_BF16_BASE_ISA >= 1 && defined(__AVX512F__)
