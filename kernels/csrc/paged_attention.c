@@ -606,6 +606,23 @@ static inline __attribute__((always_inline)) __m512 reduce_lanes_16(const __m512
                    _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
 #undef COMBINE
 }
+
+/* One key block's step of 16 rows' running maxima (online softmax), the prefill functions' shared
+ * piece: row i's maximum becomes the larger of row_max[i] and lane i of block_max, except where
+ * that lane is -inf (the row sees no key of the block and keeps its state). The new maxima go to
+ * row_max and to new_max, the factor each row's earlier sum and output are scaled by (exp(old -
+ * new), 1 where the row keeps its state) to correction, and is returned. */
+static inline __attribute__((always_inline)) __m512 online_max_step(const __m512 block_max, float *row_max,
+                                                                    float *new_max, float *correction) {
+    const __m512 old_max = _mm512_loadu_ps(row_max);
+    const __mmask16 live = _mm512_cmp_ps_mask(block_max, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+    const __m512 top = _mm512_mask_max_ps(old_max, live, old_max, block_max);
+    const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), live, exp_ps512(_mm512_sub_ps(old_max, top)));
+    _mm512_storeu_ps(row_max, top);
+    _mm512_storeu_ps(new_max, top);
+    _mm512_storeu_ps(correction, scale_old);
+    return scale_old;
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -1435,13 +1452,7 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
                     s[rr] = _mm512_mask_mul_ps(minus_inf, masks[rr], s[rr], _mm512_set1_ps(scale));
             }
             /* per row: the new running max; rows that see no key of the block keep theirs */
-            const __m512 block_max = reduce_lanes_16(s, 1), old_max = _mm512_loadu_ps(row_max + r0);
-            const __mmask16 active = _mm512_cmp_ps_mask(block_max, minus_inf, _CMP_GT_OQ);
-            const __m512 top = _mm512_mask_max_ps(old_max, active, old_max, block_max);
-            const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), active, exp_ps512(_mm512_sub_ps(old_max, top)));
-            _mm512_storeu_ps(row_max + r0, top);
-            _mm512_storeu_ps(new_max, top);
-            _mm512_storeu_ps(correction, scale_old);
+            const __m512 scale_old = online_max_step(reduce_lanes_16(s, 1), row_max + r0, new_max, correction);
             _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
                 s[rr] = _mm512_maskz_mov_ps(masks[rr], exp_ps512(_mm512_sub_ps(s[rr], _mm512_set1_ps(new_max[rr]))));
                 _mm512_storeu_ps(p + rr * PREFILL_KEY_BLOCK, s[rr]);
@@ -1691,13 +1702,7 @@ static inline __attribute__((always_inline)) void prefill_task_fma(
             __m512 m[FMA_ROW_BLOCK];
             _Pragma("GCC unroll 16") for (int rr = 0; rr < FMA_ROW_BLOCK; ++rr)
                 m[rr] = _mm512_max_ps(_mm512_load_ps(p + rr * FMA_KEY_BLOCK), _mm512_load_ps(p + rr * FMA_KEY_BLOCK + 16));
-            const __m512 block_max = reduce_lanes_16(m, 1), old_max = _mm512_loadu_ps(row_max + r0);
-            const __mmask16 live = _mm512_cmp_ps_mask(block_max, minus_inf, _CMP_GT_OQ);
-            const __m512 top = _mm512_mask_max_ps(old_max, live, old_max, block_max);
-            const __m512 scale_old = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), live, exp_ps512(_mm512_sub_ps(old_max, top)));
-            _mm512_storeu_ps(row_max + r0, top);
-            _mm512_store_ps(new_max, top);
-            _mm512_store_ps(correction, scale_old);
+            const __m512 scale_old = online_max_step(reduce_lanes_16(m, 1), row_max + r0, new_max, correction);
             _Pragma("GCC unroll 16") for (int rr = 0; rr < FMA_ROW_BLOCK; ++rr) {
                 const __m512 nm = _mm512_set1_ps(new_max[rr]);
                 float *pr = p + rr * FMA_KEY_BLOCK;
