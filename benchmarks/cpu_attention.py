@@ -22,13 +22,15 @@ machines are shared; the best round counts), and their outputs are compared.
   faster than ours. Its output is compared with ours.
   ``--fma`` also times, for bfloat16, the engine build with its float32-FMA prefill function
   switched on (``engine+fma``) against the build's own (the AVX512_BF16 dot products where
-  built: ``dp``), round by round in one run, as the engine's start-up timing chooses between them.
+  built: ``dp``), round by round in one run, as the engine's start-up timing chooses between them;
+  with ``--against REV`` the revision's float32-FMA function too (``REV+fma``).
 
     python -m benchmarks.cpu_attention                      # SmolLM2-135M's shape (9 heads, 3 KV heads, 64)
     python -m benchmarks.cpu_attention --block-order consecutive   # a fresh server's cache layout
     python -m benchmarks.cpu_attention --context 128 --against HEAD~1  # this tree's kernels against a commit's
     python -m benchmarks.cpu_attention --sdpa --layers 1 --rounds 5    # prefill: ours against torch's SDPA
     python -m benchmarks.cpu_attention --dtypes bfloat16 --fma --no-decode --depth 3072   # dp against fma
+    python -m benchmarks.cpu_attention --dtypes bfloat16 --fma --no-decode --against HEAD  # both FMA functions
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             library = libraries[name]
 
             def run() -> None:
-                if name == "engine":     # the switch is the library's, process-wide: set before each call
+                if engine_fma:     # the switch is the library's, process-wide: set before each call
                     cpu_native.use_prefill_bf16_fma(fma, library)
                 cpu_native.paged_prefill_attention(query, outs[f"{name}+fma" if fma else name], starts, query_lens,
                                                    seq_lens, tables, key_cache, value_cache, scale, library=library)
@@ -193,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
             if cpu_native.use_prefill_bf16_fma(True, libraries["engine"]):
                 outs["engine+fma"] = torch.empty_like(query)
                 runs["engine+fma"] = prefill("engine", fma=True)
+                if args.against and cpu_native.use_prefill_bf16_fma(True, libraries[other]):
+                    outs[f"{other}+fma"] = torch.empty_like(query)      # the revision's FMA function too
+                    runs[f"{other}+fma"] = prefill(other, fma=True)
+                    cpu_native.use_prefill_bf16_fma(False, libraries[other])
             else:
                 print("(no float32-FMA bfloat16 prefill in this build: it needs AVX-512F)")
             cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
@@ -205,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             if name == "engine":
                 continue
             diff = (outs["engine"].float() - outs[name].float()).abs().max().item()
-            function = (path if name not in ("sdpa", "engine+fma") else "torch SDPA (contiguous K, V)"
-                        if name == "sdpa" else f"{path} against avx512-fma (FMA switched on)")
+            function = ("torch SDPA (contiguous K, V)" if name == "sdpa"
+                        else f"{path} against avx512-fma (FMA switched on)" if name.endswith("+fma") else path)
             print(f"| {dtype} | prefill {args.prompt} tokens at depth {args.depth} | {function} | {best['engine'] * 1e3:.2f} | "
                   f"{best[name] * 1e3:.2f} ({name}) | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
                   f"{flops / best[name] / 1e9:.0f} GFLOP/s | {best[name] / best['engine']:.2f}x | {diff:.1e} |")
