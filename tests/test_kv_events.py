@@ -365,6 +365,38 @@ def test_replay_keeps_the_last_buffer_steps_batches() -> None:
         [[["BlockRemoved", [i], "GPU"]] for i in (2, 3, 4)]
 
 
+def test_until_a_block_is_stored_each_subscription_gets_a_clear() -> None:
+    """A replica that (re)started on an endpoint answers each subscription with AllBlocksCleared
+    until it stores its first block, so a subscriber that kept the blocks of its previous life
+    (libzmq reconnects a SUB by itself) drops them; afterwards a new subscription gets nothing
+    (the replica holds blocks: a clear would be wrong)."""
+    from backend.engine.kv_event_publisher import ZmqEventPublisher
+
+    stored = BlockStored((b"\x01" * 32,), None, list(range(BLOCK)), BLOCK, None, None)
+    publisher = ZmqEventPublisher(KVEventsConfig(True, endpoint="tcp://127.0.0.1:*"))
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    first = second = None
+    try:
+        first = Subscriber(publisher.endpoint)
+        assert [(m.seq, m.events) for m in first.receive()] == [(0, [["AllBlocksCleared"]])]
+        publisher.queue.put(stored)
+        assert [(m.seq, m.events[0][0]) for m in first.receive()] == [(1, "BlockStored")]
+        second = Subscriber(publisher.endpoint)
+        assert second.receive() == [] and first.receive() == []
+        # The replica restarts on the same port; the first subscriber reconnects by itself.
+        publisher.close()
+        publisher = ZmqEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{port}"))
+        received = first.receive(quiet=2.0)
+        assert received and all(m.events == [["AllBlocksCleared"]] for m in received)
+        assert received[0].seq == 0
+        assert_gap_free(received)
+    finally:
+        publisher.close()
+        for subscriber in (first, second):
+            if subscriber is not None:
+                subscriber.close()
+
+
 def test_off_by_default_starts_nothing(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                        prose_ids: list[int]) -> None:
     import backend.engine.kv_event_publisher as publisher_module

@@ -9,7 +9,14 @@ The last ``buffer_steps`` batches are kept for replay: a subscriber that missed 
 the first sequence number it wants (8 bytes, big-endian) to the replay socket, a ROUTER,
 and gets back ``[seq, payload]`` for every kept batch from there on, then ``[-1, b""]``.
 A second thread serves replays, so that the publisher thread sleeps on the queue alone and
-an idle engine wakes neither.
+an idle engine wakes neither (but for the first seconds below).
+
+Until the engine has stored its first block, every subscription that reaches the PUB socket
+(an XPUB, which reports them) is answered with an ``AllBlocksCleared`` batch: a replica that
+restarted on the same endpoint tells a router that kept its blocks from before the restart
+(Dynamo's relay reconnects by itself) that it holds none of them. Sent at start it would be
+lost, as no subscriber is connected yet; once blocks are stored it would be wrong. Meanwhile
+the publisher thread looks for subscriptions every ``SUBSCRIPTION_POLL_S``.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ import zmq
 
 from backend.config import EngineConfig
 from backend.core.kv_cache_manager import KVCacheManager
-from backend.core.kv_events import KVCacheEvent, KVEventsConfig, Publisher, record_events
+from backend.core.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent, KVEventsConfig, Publisher, record_events
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _STOP = object()          # closes the publisher thread once everything before it is sent
+SUBSCRIPTION_POLL_S = 0.1   # how often, before the first stored block, subscriptions are looked for
 
 
 class ZmqEventPublisher:
@@ -39,13 +47,15 @@ class ZmqEventPublisher:
         self.queue: queue.SimpleQueue[KVCacheEvent | object] = queue.SimpleQueue()
         self.data_parallel_rank = data_parallel_rank
         self.num_batches = 0                  # batches sent = the next sequence number
+        self.stored_any = False               # whether a BlockStored was sent (module docstring)
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._buffer_lock = threading.Lock()  # the replay thread copies what the publisher appends
         self._context = zmq.Context()
         self._replay: zmq.Socket | None = None
         try:
-            self._pub = self._context.socket(zmq.PUB)
+            self._pub = self._context.socket(zmq.XPUB)   # a PUB that reports subscriptions
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)       # every one, not just a topic's first
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             (self._pub.bind if config.binds else self._pub.connect)(config.endpoint)
@@ -91,7 +101,15 @@ class ZmqEventPublisher:
             stopping = False
             while not stopping:
                 events: list[KVCacheEvent] = []
-                item = self.queue.get()
+                if self.stored_any:
+                    item = self.queue.get()
+                else:
+                    try:
+                        item = self.queue.get(timeout=SUBSCRIPTION_POLL_S)
+                    except queue.Empty:
+                        self._answer_subscriptions()
+                        continue
+                    self._answer_subscriptions()
                 while True:
                     if item is _STOP:
                         stopping = True
@@ -105,6 +123,16 @@ class ZmqEventPublisher:
                     self._send(events)
         finally:
             self._pub.close(linger=0)
+
+    def _answer_subscriptions(self) -> None:
+        """An ``AllBlocksCleared`` batch if a subscription arrived since the last look (called
+        only before the first stored block: the module docstring says why)."""
+        subscribed = False
+        while self._pub.poll(0):
+            frame = self._pub.recv()
+            subscribed |= frame[:1] == b"\x01"      # 1 + topic: subscribe; 0 + topic: unsubscribe
+        if subscribed:
+            self._send([AllBlocksCleared()])
 
     def _send(self, events: list[KVCacheEvent]) -> None:
         try:
@@ -121,6 +149,7 @@ class ZmqEventPublisher:
         with self._buffer_lock:
             self._buffer.append((seq, payload))
         self.num_batches = seq + 1
+        self.stored_any = self.stored_any or any(isinstance(event, BlockStored) for event in events)
 
     # ---- the replay thread ---------------------------------------------------------------------
     def _replay_loop(self) -> None:
