@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.model.cpu_linear import use_bf16_fp16_rows
 from benchmarks.precision_agreement import prefix_share
 from tests.conftest import hf_greedy, hf_greedy_shared
 from tests.test_hf_equality import MAX_NEW_TOKENS, mixed_prompts  # noqa: F401 - the fixture, reused
@@ -44,15 +45,25 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
 
 
 # "auto": what this CPU picks; "sdpa": fresh prompts through torch's SDPA, which rounds the
-# softmax probabilities to bfloat16 (what auto may pick on AVX-512 CPUs), held to the same floors.
-@pytest.fixture(scope="module", params=["auto", "sdpa"], ids=lambda p: f"prefill_attention={p}")
+# softmax probabilities to bfloat16 (what auto may pick on AVX-512 CPUs); "fp16-matmuls": the
+# linear kernel's float16 version from 64 rows (where the build has it: AVX512-FP16), which sums
+# in float16; all held to the same floors.
+OPTIONS = {"prefill_attention=auto": {}, "prefill_attention=sdpa": {"cpu_prefill_attention": "sdpa"},
+           "fp16-matmuls": {"cpu_linear_fp16_rows": 64}}
+
+
+@pytest.fixture(scope="module", params=list(OPTIONS))
 def bf16_outputs(request, model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     # A fixed 256-token budget: chunked prefill and decodes mixed, the same steps on every machine.
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, dtype="bfloat16",
-                                 max_num_batched_tokens=256, itl_target_ms=0.0, cpu_prefill_attention=request.param))
+                                 max_num_batched_tokens=256, itl_target_ms=0.0, **OPTIONS[request.param]))
     print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU), "
           f"prompt attention {engine.runner.prefill_attention.path.value}")
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    print(f"float16 matmuls from {engine.runner.bf16_fp16_rows or 'never'} rows")
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+    finally:
+        use_bf16_fp16_rows(0)    # process-wide: kernel tests later in this worker call the library directly
     return [o.token_ids for o in outputs]
 
 

@@ -66,6 +66,28 @@ def use_bf16_fma_rows(min_rows: int, library: ctypes.CDLL | None = None) -> int:
     return 0 if library is None else int(library.linear_bf16_use_fma(max(int(min_rows), 0)))
 
 
+def use_bf16_fp16_rows(min_rows: int, library: ctypes.CDLL | None = None) -> int:
+    """Run the bfloat16 kernel's float16 version (AVX512-FP16 builds) for calls of ``min_rows``
+    rows and more (0: never); returns the threshold now in effect (0 where it is not built)."""
+    library = cpu_native.load() if library is None else library
+    return 0 if library is None else int(library.linear_bf16_use_fp16(max(int(min_rows), 0)))
+
+
+# The float16 version holds a packed weight's values in float16 and sums up to 32 products per
+# lane in it, each x row scaled under 1: weights up to this magnitude keep the sums in range.
+FP16_WEIGHT_MAX = 1024.0
+
+
+def largest_packed_bf16_weight(model: nn.Module) -> float:
+    """The largest magnitude in any bfloat16 weight our kernel packed (0 if none)."""
+    largest = 0.0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(packed, torch.Tensor) and packed.dtype == torch.bfloat16 and packed.numel():
+            largest = max(largest, float(packed.abs().max()))
+    return largest
+
+
 def bf16_fma_rows(library: ctypes.CDLL | None = None) -> int:
     """The threshold ``use_bf16_fma_rows`` left (0: the FMA version never runs)."""
     library = cpu_native.load() if library is None else library

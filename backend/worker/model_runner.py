@@ -28,6 +28,7 @@ from backend.lora.registry import MULTI_LORA_FILE
 from backend.lora.slots import NO_SLOT, LoRABackend, LoRABatch, LoRASlots
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
+from backend.model.cpu_linear import FP16_WEIGHT_MAX, largest_packed_bf16_weight, use_bf16_fp16_rows
 from backend.model.cpu_linear_tuning import choose_cpu_linear
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
@@ -110,6 +111,7 @@ class ModelRunner:
                                           fma_rows=config.cpu_linear_fma_rows)
         self.cpu_linear = linear_choice.path
         self.bf16_fma_rows = linear_choice.fma_min_rows     # our bf16 kernel's float32 FMAs from these rows
+        self.bf16_fp16_rows = 0                             # ... and float16 FMAs (set below on CPU)
         self.onednn_batch_hint = linear_choice.onednn_batch_hint
         # What the start-up chose and why, a line each: logged here, printed by the served model.
         self.startup_notes: list[str] = [f"weights and KV cache in {self.dtype_choice}"]
@@ -122,6 +124,8 @@ class ModelRunner:
             probe = cpu_native.amx_probe_result() if bf16_kernel and not amx else None
             if probe is not None and not probe.passed:
                 version = f"{version}, AMX tiles off: {probe.describe()}"
+            # Process-wide, like the AMX switch: cleared by every engine, set below once the weights are seen.
+            use_bf16_fp16_rows(0)
             self.startup_notes.append(
                 f"CPU {detect().describe()}, {str(self.dtype)[6:]} weights: linear layers {self.cpu_linear}"
                 f"{f' ({version} kernel)' if bf16_kernel else ''}"
@@ -131,6 +135,9 @@ class ModelRunner:
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention, self.cpu_linear, config.quantization, config.fused_layer_ops,
                                 self.onednn_batch_hint)
+        if self.device.type == "cpu" and config.cpu_linear_fp16_rows:
+            self.startup_notes.append(self._use_fp16_matmuls(config.cpu_linear_fp16_rows))
+            logger.info("%s", self.startup_notes[-1])
         self.prefill_attention = choose_prefill_attention(
             config.cpu_prefill_attention, self.dtype, arch, self.block_size,
             self.device.type == "cpu" and self.attention.honours_sdpa_choice,
@@ -230,6 +237,19 @@ class ModelRunner:
         logger.info("LoRA: %d adapter slots, %s backend", self.config.max_loras, backend.value)
         return self.lora_slots
 
+    def _use_fp16_matmuls(self, min_rows: int) -> str:
+        """Turn on our bfloat16 kernel's float16 version (EngineConfig.cpu_linear_fp16_rows) where
+        it serves this model; says what was done."""
+        if self.cpu_linear != "native" or self.dtype != torch.bfloat16:
+            return "float16 matmuls: off (cpu_linear_fp16_rows needs bfloat16 weights on our kernel)"
+        largest = largest_packed_bf16_weight(self.model)
+        if largest > FP16_WEIGHT_MAX:
+            return f"float16 matmuls: off (a weight of magnitude {largest:.3g} > {FP16_WEIGHT_MAX:g})"
+        self.bf16_fp16_rows = use_bf16_fp16_rows(min_rows)
+        if not self.bf16_fp16_rows:
+            return "float16 matmuls: off (this build has no AVX512-FP16 version)"
+        return f"float16 matmuls from {self.bf16_fp16_rows} rows (cpu_linear_fp16_rows)"
+
     def timing_signature(self) -> dict[str, object]:
         """What decides how long a step takes here, beside the step's shape: the key of the
         calibration cache (backend/worker/timing_cache.py) with the calibration shapes."""
@@ -246,6 +266,7 @@ class ModelRunner:
             "sdpa_prompt_min_tokens": self.model.sdpa_prompt_min_tokens,
             # which of our bfloat16 kernels run (start-up timings or the engine parameters)
             "bf16_fma_rows": self.bf16_fma_rows,
+            "bf16_fp16_rows": self.bf16_fp16_rows,
             "prefill_bf16_kernel": (None if self.prefill_attention.bf16_kernel is None
                                     else self.prefill_attention.bf16_kernel.kernel),
             "onednn_batch_hint": self.onednn_batch_hint,

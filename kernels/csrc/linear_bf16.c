@@ -41,6 +41,7 @@
  * Each function returns 0, or -1 when its scratch memory could not be had (or nothing was built).
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define NR 16               /* output columns per packed panel (one 512-bit register of float32) */
@@ -607,6 +608,202 @@ static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
 }
 #endif
 
+/* Float16 FMAs over the same packed weight (EXPERIMENTAL, off unless built with
+ * -DLINEAR_BF16_FP16_ROWS=N: benchmarks/cpu_linear.py --variant). Why look: on the Emerald
+ * Rapids Xeon a 512-bit float16 FMA (AVX512-FP16) issues as often as a float32 one and does
+ * twice the products. A thread narrows its panel group to float16 once per row block (a pair
+ * of k per 32-bit lane, the even k in the low half, as packed); x is narrowed once per call,
+ * k-major per tile of rows, a pair per 32-bit lane; a broadcast of a row's pair times the
+ * narrowed panel gives each lane one k's product. The lanes accumulate in float16 over
+ * FP16_KC pairs, then are added into float32 partial sums; the even and odd lanes of a column
+ * are added at the end. No range check yet: values past float16's range give inf. */
+#if defined(FMA_PATH) && defined(__AVX512FP16__)
+#define FP16_PATH 1
+#ifndef FP16_KC
+#define FP16_KC 32                /* pairs of k accumulated in float16 before the float32 sums */
+#endif
+#ifndef LINEAR_BF16_FP16_ROWS
+#define LINEAR_BF16_FP16_ROWS 0   /* fp16_min_rows at load (0: off) */
+#endif
+
+static inline uint16_t fp16_bits(const float value) {
+    const _Float16 h = (_Float16)value;
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    return bits;
+}
+
+/* A panel group narrowed to float16: wh[(kk * FMA_NP + p) * NR + c] is column c's pair kk of
+ * panel p (zeros past np). */
+static void fp16_narrow_group(const int np, const int64_t pairs, const uint16_t *restrict panel,
+                              const int64_t panel_stride, uint32_t *restrict wh) {
+    const __m512i odd_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t kk = 0; kk < pairs; ++kk)
+        for (int p = 0; p < FMA_NP; ++p) {
+            uint32_t *to = wh + (kk * FMA_NP + p) * NR;
+            if (p >= np) {
+                _mm512_store_si512(to, _mm512_setzero_si512());
+                continue;
+            }
+            const __m512i pair = _mm512_loadu_si512(panel + p * panel_stride + kk * 2 * NR);
+            const __m256i even = (__m256i)_mm512_cvtxps_ph(_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+            const __m256i odd = (__m256i)_mm512_cvtxps_ph(_mm512_castsi512_ps(_mm512_and_si512(pair, odd_half)));
+            _mm512_store_si512(to, _mm512_or_si512(_mm512_cvtepu16_epi32(even),
+                                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16)));
+        }
+}
+
+static inline __attribute__((always_inline)) void fp16_tile(const int mr, const int np, const int64_t pairs,
+                                                            const uint32_t *restrict x, const uint32_t *restrict wh,
+                                                            const float *restrict scale,
+                                                            const float *restrict bias, float *restrict yf,
+                                                            uint16_t *restrict yb, const int64_t ldy,
+                                                            const int64_t ncols) {
+    float sums[FMA_MR][FMA_NP][2 * NR] __attribute__((aligned(64)));
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r)
+        _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+            _mm512_store_ps(sums[r][p], _mm512_setzero_ps());
+            _mm512_store_ps(sums[r][p] + NR, _mm512_setzero_ps());
+        }
+    for (int64_t k0 = 0; k0 < pairs; k0 += FP16_KC) {
+        const int64_t k1 = pairs - k0 < FP16_KC ? pairs : k0 + FP16_KC;
+        __m512h acc[FMA_MR][FMA_NP];
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r)
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_setzero_ph();
+        for (int64_t kk = k0; kk < k1; ++kk) {
+            __m512h w[FMA_NP];
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p)
+                w[p] = _mm512_castsi512_ph(_mm512_load_si512(wh + (kk * FMA_NP + p) * NR));
+            _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+                const __m512h xv = _mm512_castsi512_ph(_mm512_set1_epi32((int)x[kk * FMA_MR + r]));
+                _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) acc[r][p] = _mm512_fmadd_ph(xv, w[p], acc[r][p]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r)
+            _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+                const __m512i bits = _mm512_castph_si512(acc[r][p]);
+                const __m512 lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(bits)));
+                const __m512 hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(bits, 1)));
+                _mm512_store_ps(sums[r][p], _mm512_add_ps(_mm512_load_ps(sums[r][p]), lo));
+                _mm512_store_ps(sums[r][p] + NR, _mm512_add_ps(_mm512_load_ps(sums[r][p] + NR), hi));
+            }
+    }
+    /* lane 2c: column c's even k, 2c + 1 its odd k (lanes 0-15 in lo, 16-31 in hi) */
+    const __m512i even_lanes = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd_lanes = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    _Pragma("GCC unroll 3") for (int p = 0; p < np; ++p) {
+        const int64_t left = ncols - p * NR;
+        const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + p * NR) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; ++r) {
+            const __m512 lo = _mm512_load_ps(sums[r][p]), hi = _mm512_load_ps(sums[r][p] + NR);
+            const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(lo, odd_lanes, hi),
+                                             _mm512_permutex2var_ps(lo, even_lanes, hi));
+            const __m512 out = _mm512_fmadd_ps(sum, _mm512_set1_ps(scale[r]), b);
+            if (yb) _mm256_mask_storeu_epi16(yb + r * ldy + p * NR, keep, fma_to_bf16(out));
+            else _mm512_mask_storeu_ps(yf + r * ldy + p * NR, keep, out);
+        }
+    }
+}
+
+static void fp16_tile_any(const int mr, const int np, const int64_t pairs, const uint32_t *x, const uint32_t *wh,
+                          const float *scale, const float *bias, float *yf, uint16_t *yb, const int64_t ldy,
+                          const int64_t ncols) {
+#define TILE(R, P) fp16_tile(R, P, pairs, x, wh, scale, bias, yf, yb, ldy, ncols)
+#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
+                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
+                       case 2: TILE(2, P); break; default: TILE(1, P); break;
+    if (np == 3) {
+        switch (mr) { ROWS_1_TO_8(3) }
+    } else if (np == 2) {
+        switch (mr) { ROWS_1_TO_8(2) }
+    } else {
+        switch (mr) { ROWS_1_TO_8(1) }
+    }
+#undef ROWS_1_TO_8
+#undef TILE
+}
+
+/* Returns -2 where it does not run (fewer panel groups than threads): the caller runs another. */
+static int linear_fp16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
+    const int64_t pairs = (k + 1) / 2, panels = (n + NR - 1) / NR, groups = (panels + FMA_NP - 1) / FMA_NP;
+    const int threads = num_threads > 0 ? num_threads : 1;
+    if (groups < threads) return -2;
+    const int64_t tiles = (m + FMA_MR - 1) / FMA_MR, panel_stride = pairs * 2 * NR;
+    uint32_t *narrow = malloc(sizeof(uint32_t) * (size_t)(tiles * FMA_MR * pairs + 1));
+    float *scale = malloc(sizeof(float) * (size_t)(tiles * FMA_MR));
+    if (narrow == NULL || scale == NULL) {
+        free(narrow);
+        free(scale);
+        return -1;
+    }
+    int64_t block = FMA_X_BYTES / (int64_t)(sizeof(uint32_t) * (pairs > 0 ? pairs : 1)) / FMA_MR * FMA_MR;
+    if (block < FMA_MR) block = FMA_MR;
+    const int64_t blocks = (m + block - 1) / block;
+    if (blocks > 1) block = ((m + blocks - 1) / blocks + FMA_MR - 1) / FMA_MR * FMA_MR;
+#pragma omp parallel num_threads(threads)
+    {
+        uint32_t *wh = aligned_alloc(64, sizeof(uint32_t) * (size_t)(pairs * FMA_NP * NR));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            uint32_t *to = narrow + t * FMA_MR * pairs;
+            const int rows = m - t * FMA_MR < FMA_MR ? (int)(m - t * FMA_MR) : FMA_MR;
+            const uint16_t *from = x + t * FMA_MR * ldx;
+            /* each row scaled by a power of 2 to a largest magnitude under 1 (exact; undone in
+             * float32 at the end): no row overflows float16, however large its values */
+            float up[FMA_MR];
+            for (int r = 0; r < FMA_MR; ++r) {
+                float largest = 0.0f;
+                for (int64_t c = 0; r < rows && c < k; ++c) {
+                    const float v = fabsf(bf16_to_f32(from[r * ldx + c]));
+                    largest = v > largest ? v : largest;
+                }
+                int exponent = 0;
+                frexpf(largest, &exponent);
+                up[r] = ldexpf(1.0f, -exponent);
+                scale[t * FMA_MR + r] = ldexpf(1.0f, exponent);
+            }
+            for (int64_t kk = 0; kk < pairs; ++kk, to += FMA_MR)
+                for (int r = 0; r < FMA_MR; ++r) {
+                    const int in = r < rows;
+                    const float even = in ? bf16_to_f32(from[r * ldx + 2 * kk]) * up[r] : 0.0f;
+                    const float odd = in && 2 * kk + 1 < k ? bf16_to_f32(from[r * ldx + 2 * kk + 1]) * up[r] : 0.0f;
+                    to[r] = (uint32_t)fp16_bits(even) | (uint32_t)fp16_bits(odd) << 16;
+                }
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += block) {
+            const int64_t r1 = m - r0 < block ? m : r0 + block;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t q = g * FMA_NP, column = q * NR;
+                const int np = panels - q < FMA_NP ? (int)(panels - q) : FMA_NP;
+                fp16_narrow_group(np, pairs, packed + q * panel_stride, panel_stride, wh);
+                for (int64_t r = r0; r < r1; r += FMA_MR) {
+                    const int mr = r1 - r < FMA_MR ? (int)(r1 - r) : FMA_MR;
+                    const int64_t at = r * n + column;
+                    fp16_tile_any(mr, np, pairs, narrow + r * pairs, wh, scale + r, bias ? bias + column : NULL,
+                                  yf ? yf + at : NULL, yb ? yb + at : NULL, n, n - column);
+                }
+            }
+        }
+        free(wh);
+    }
+    free(narrow);
+    free(scale);
+    return 0;
+}
+#endif
+
+/* From how many rows a call runs the float16 version (0: never; experimental, above). */
+static int64_t fp16_min_rows =
+#ifdef FP16_PATH
+    LINEAR_BF16_FP16_ROWS;
+#else
+    0;
+#endif
+
+
 /* From how many rows a call runs the float32-FMA version (0: never). */
 static int64_t fma_min_rows =
 #ifdef FMA_PATH
@@ -638,6 +835,17 @@ int64_t linear_bf16_use_fma(int64_t min_rows) {
 
 /* The threshold now in effect (what the last linear_bf16_use_fma left). */
 int64_t linear_bf16_fma_rows(void) { return fma_min_rows; }
+
+/* Calls of min_rows rows and more run the float16 version (0: none; before the float32-FMA one,
+ * which runs where it does not); returns the threshold now in effect, 0 where it is not built. */
+int64_t linear_bf16_use_fp16(int64_t min_rows) {
+#ifdef FP16_PATH
+    fp16_min_rows = min_rows > 0 ? min_rows : 0;
+#else
+    (void)min_rows;
+#endif
+    return fp16_min_rows;
+}
 
 /* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a CPU with AMX the
  * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls took
@@ -896,6 +1104,12 @@ static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
 #ifdef AMX_PATH
     const int done = linear_amx(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
     if (done != -2) return done;
+#endif
+#ifdef FP16_PATH
+    if (fp16_min_rows > 0 && m >= fp16_min_rows) {
+        const int done = linear_fp16(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
+        if (done != -2) return done;
+    }
 #endif
 #ifdef FMA_PATH
     if (fma_min_rows > 0 && m >= fma_min_rows) return linear_fma(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);

@@ -1,0 +1,122 @@
+"""The float16 version of our bfloat16 linear kernel (kernels/csrc/linear_bf16.c: each row of x
+scaled by a power of 2, operands narrowed to float16, 512-bit float16 FMAs summing FP16_KC pairs
+of k, float32 after that; AVX512-FP16 builds, for calls of ``cpu_linear_fp16_rows`` rows and
+more) against the float64 product of the same bfloat16 operands. Its sums are not the float32
+versions': each product and partial sum is rounded to float16 (11 significant bits), so the
+check is the rounding-error bound of such a sum plus a bound on the overall relative error that
+a kernel dropping or doubling terms cannot meet. A build the CPU cannot run is reported NOT RUN;
+a build without AVX512-FP16 must not have the version (it answers 0 when asked for it)."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import pytest
+import torch
+
+from backend.model.cpu_features import detect
+from backend.model.cpu_linear import pack_pairs, use_bf16_fp16_rows
+from kernels import cpu_native
+
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16")
+KC = 32                      # the kernel's FP16_KC: products summed in float16 before float32
+UNIT = 2.0 ** -11            # float16's unit roundoff
+# Measured on SmolLM2's projections: 8.4e-4 (docs/benchmarks.md, "Float16 matmuls"); a kernel
+# that drops the odd k of each pair is at ~0.7.
+MAX_RELATIVE_L2 = 3e-3
+
+
+def missing(needed: set[str]) -> set[str]:
+    return needed - detect().flags if platform.machine() in ("x86_64", "AMD64") else {"an x86 CPU"}
+
+
+@pytest.fixture(scope="module")
+def fp16_library() -> ctypes.CDLL:
+    lacking = missing({"avx512f", "avx512bw", "avx512_fp16"})
+    if lacking:
+        pytest.skip(f"NOT RUN: the float16 version of the bfloat16 linear kernel needs {sorted(lacking)}, "
+                    f"which this CPU lacks")
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + NO_AMX))
+    assert use_bf16_fp16_rows(1, library) == 1
+    yield library
+    use_bf16_fp16_rows(0, library)
+
+
+@pytest.fixture(params=[1, 2, 3])
+def threads(request):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+def case(rows: int, out_features: int, in_features: int, seed: int, row_scales: list[float] | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    storage = torch.full((rows, in_features + 6), float("nan")).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen)
+    if row_scales is not None:
+        x *= torch.tensor(row_scales)[:rows, None]
+    storage[:, 3:3 + in_features] = x.bfloat16()
+    return weight, storage[:, 3:3 + in_features]
+
+
+def check(library: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> None:
+    out_features, in_features = weight.shape
+    packed = pack_pairs(weight)
+    exact = x.double() @ weight.double().T
+    got = cpu_native.linear_bf16_f32(x, packed, out_features, library=library).double()
+    assert torch.isfinite(got).all()
+    # Summation of KC products in float16 (each product and sum rounded), then float32.
+    magnitude = x.double().abs() @ weight.double().abs().T
+    assert ((got - exact).abs() <= (KC + 2) * UNIT * magnitude + 1e-30).all()
+    if exact.norm() > 0:
+        assert (got - exact).norm() / exact.norm() <= MAX_RELATIVE_L2
+    bias = torch.randn(out_features).bfloat16().float()
+    rounded = cpu_native.linear_bf16(x, packed, out_features, bias, library=library).float()
+    with_bias = got.float() + bias
+    assert ((rounded - with_bias).abs() <= with_bias.abs() * 2.0 ** -8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64, 129, 600])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (50, 578), (48, 96), (96, 2)])
+def test_fp16_within_its_rounding_of_the_exact_product(fp16_library: ctypes.CDLL, rows: int, out_features: int,
+                                                       in_features: int) -> None:
+    check(fp16_library, *case(rows, out_features, in_features, rows * out_features + in_features))
+
+
+def test_fp16_on_several_threads(fp16_library: ctypes.CDLL, threads: int) -> None:
+    for rows, out_features, in_features in [(300, 3072, 576), (21, 300, 64), (77, 96, 64)]:
+        check(fp16_library, *case(rows, out_features, in_features, rows))
+
+
+def test_rows_of_any_magnitude_neither_overflow_nor_vanish(fp16_library: ctypes.CDLL) -> None:
+    """float16 overflows past 65504 and loses precision under 6e-5: each row is scaled by a
+    power of 2 first, so rows of 1e5 and of 1e-6, and a row of zeros, come out as exact as any."""
+    scales = [1e5, 1e-6, 0.0, 1.0, 3e4, 1e-3, 1e6, 7.0, 1e-8]
+    check(fp16_library, *case(9, 200, 576, 7, scales))
+
+
+def test_fewer_panel_groups_than_threads_run_another_version(fp16_library: ctypes.CDLL) -> None:
+    """16 outputs are one panel group: on one thread the float16 version runs, with 2 it declines
+    and the call runs the dot products (or float32 FMAs). Told apart by products that float16
+    rounds ((1 + 2^-7)^2 needs 15 significant bits) and float32 holds."""
+    previous = torch.get_num_threads()
+    weight = torch.full((16, 4), 1.0 + 2.0 ** -7).bfloat16()
+    x = torch.full((3, 4), 1.0 + 2.0 ** -7).bfloat16()
+    exact = x.float() @ weight.float().T
+    try:
+        for threads, float16 in ((1, True), (2, False)):
+            torch.set_num_threads(threads)
+            got = cpu_native.linear_bf16_f32(x, pack_pairs(weight), 16, library=fp16_library)
+            assert torch.equal(got, exact) != float16, threads
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_build_without_avx512_fp16_has_no_float16_version() -> None:
+    if platform.machine() not in ("x86_64", "AMD64") or missing({"avx2", "fma"}):
+        pytest.skip("NOT RUN: needs an x86 CPU with AVX2 + FMA to build our kernel")
+    library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + NO_AMX + ("-mno-avx512fp16",)))
+    assert use_bf16_fp16_rows(1, library) == 0
