@@ -18,6 +18,7 @@ import torch
 from backend.model.cpu_features import detect
 from backend.model.cpu_linear import pack_pairs, use_bf16_fp16_rows
 from kernels import cpu_native
+from tests.test_linear_fma import threads  # noqa: F401 - the fixture (1-3 torch threads), reused
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16")
 KC = 32                      # the kernel's FP16_KC: products summed in float16 before float32
@@ -41,14 +42,6 @@ def fp16_library() -> ctypes.CDLL:
     assert use_bf16_fp16_rows(1, library) == 1
     yield library
     use_bf16_fp16_rows(0, library)
-
-
-@pytest.fixture(params=[1, 2, 3])
-def threads(request):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
 
 
 def case(rows: int, out_features: int, in_features: int, seed: int, row_scales: list[float] | None = None):
@@ -107,10 +100,10 @@ def test_fewer_panel_groups_than_threads_run_another_version(fp16_library: ctype
     x = torch.full((3, 4), 1.0 + 2.0 ** -7).bfloat16()
     exact = x.float() @ weight.float().T
     try:
-        for threads, float16 in ((1, True), (2, False)):
-            torch.set_num_threads(threads)
+        for count, float16 in ((1, True), (2, False)):
+            torch.set_num_threads(count)
             got = cpu_native.linear_bf16_f32(x, pack_pairs(weight), 16, library=fp16_library)
-            assert torch.equal(got, exact) != float16, threads
+            assert torch.equal(got, exact) != float16, count
     finally:
         torch.set_num_threads(previous)
 

@@ -364,6 +364,19 @@ static int linear_base(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 
 #define FMA_MR 8                  /* rows per tile */
 #define FMA_NP 3                  /* panels per tile */
+/* Calls TILE(R, P), defined by the caller, with mr and np as constants (1-8 rows, 1-3 panels):
+ * each (rows, panels) pair its own fully unrolled tile. */
+#define FMA_ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
+                           case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
+                           case 2: TILE(2, P); break; default: TILE(1, P); break;
+#define FMA_TILE_DISPATCH(mr, np) \
+    if ((np) == 3) {                          \
+        switch (mr) { FMA_ROWS_1_TO_8(3) }    \
+    } else if ((np) == 2) {                   \
+        switch (mr) { FMA_ROWS_1_TO_8(2) }    \
+    } else {                                  \
+        switch (mr) { FMA_ROWS_1_TO_8(1) }    \
+    }
 #ifndef FMA_X_BYTES
 #define FMA_X_BYTES (1 << 20)     /* a row block's widened x, at most (bytes; -DFMA_X_BYTES=... to measure) */
 #endif
@@ -497,17 +510,7 @@ static inline __attribute__((always_inline)) void fma_tile_wide(const int mr, co
 static void fma_tile_wide_any(const int mr, const int np, const int64_t pairs, const float *x, const float *wt,
                               const float *bias, float *yf, uint16_t *yb, const int64_t ldy, const int64_t ncols) {
 #define TILE(R, P) fma_tile_wide(R, P, pairs, x, wt, bias, yf, yb, ldy, ncols)
-#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
-                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
-                       case 2: TILE(2, P); break; default: TILE(1, P); break;
-    if (np == 3) {
-        switch (mr) { ROWS_1_TO_8(3) }
-    } else if (np == 2) {
-        switch (mr) { ROWS_1_TO_8(2) }
-    } else {
-        switch (mr) { ROWS_1_TO_8(1) }
-    }
-#undef ROWS_1_TO_8
+    FMA_TILE_DISPATCH(mr, np)
 #undef TILE
 }
 
@@ -515,17 +518,7 @@ static void fma_tile_any(const int mr, const int np, const int64_t pairs, const 
                          const int64_t panel_stride, const float *bias, float *yf, uint16_t *yb, const int64_t ldy,
                          const int64_t ncols, const int prefetch) {
 #define TILE(R, P) fma_tile(R, P, pairs, x, panel, panel_stride, bias, yf, yb, ldy, ncols, prefetch)
-#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
-                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
-                       case 2: TILE(2, P); break; default: TILE(1, P); break;
-    if (np == 3) {
-        switch (mr) { ROWS_1_TO_8(3) }
-    } else if (np == 2) {
-        switch (mr) { ROWS_1_TO_8(2) }
-    } else {
-        switch (mr) { ROWS_1_TO_8(1) }
-    }
-#undef ROWS_1_TO_8
+    FMA_TILE_DISPATCH(mr, np)
 #undef TILE
 }
 
@@ -710,17 +703,7 @@ static void fp16_tile_any(const int mr, const int np, const int64_t pairs, const
                           const float *scale, const float *bias, float *yf, uint16_t *yb, const int64_t ldy,
                           const int64_t ncols) {
 #define TILE(R, P) fp16_tile(R, P, pairs, x, wh, scale, bias, yf, yb, ldy, ncols)
-#define ROWS_1_TO_8(P) case 8: TILE(8, P); break; case 7: TILE(7, P); break; case 6: TILE(6, P); break; \
-                       case 5: TILE(5, P); break; case 4: TILE(4, P); break; case 3: TILE(3, P); break; \
-                       case 2: TILE(2, P); break; default: TILE(1, P); break;
-    if (np == 3) {
-        switch (mr) { ROWS_1_TO_8(3) }
-    } else if (np == 2) {
-        switch (mr) { ROWS_1_TO_8(2) }
-    } else {
-        switch (mr) { ROWS_1_TO_8(1) }
-    }
-#undef ROWS_1_TO_8
+    FMA_TILE_DISPATCH(mr, np)
 #undef TILE
 }
 
