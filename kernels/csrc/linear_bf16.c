@@ -549,6 +549,17 @@ static void fma_block(const float *wide, const int64_t r0, const int64_t r1, con
     }
 }
 
+/* Rows per block for m rows whose converted copy takes row_bytes each: as many as FMA_X_BYTES
+ * holds (whole tiles), in blocks of equal size (no short last block that would stream the panels
+ * again for a few rows). */
+static int64_t fma_row_block(const int64_t m, const int64_t row_bytes) {
+    int64_t block = FMA_X_BYTES / (row_bytes > 0 ? row_bytes : 1) / FMA_MR * FMA_MR;
+    if (block < FMA_MR) block = FMA_MR;
+    const int64_t blocks = (m + block - 1) / block;
+    if (blocks > 1) block = ((m + blocks - 1) / blocks + FMA_MR - 1) / FMA_MR * FMA_MR;
+    return block;
+}
+
 static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                       const float *bias, float *yf, uint16_t *yb, int num_threads) {
     const int64_t pairs = (k + 1) / 2, panels = (n + NR - 1) / NR, groups = (panels + FMA_NP - 1) / FMA_NP;
@@ -556,12 +567,7 @@ static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
     const int64_t tiles = (m + FMA_MR - 1) / FMA_MR;
     float *wide = malloc(sizeof(float) * (size_t)(tiles * FMA_MR * pairs * 2 + 1));
     if (wide == NULL) return -1;
-    /* Rows per block: as many as FMA_X_BYTES of widened x holds (whole tiles), in blocks of equal
-     * size (no short last block that would stream the panels again for a few rows). */
-    int64_t block = FMA_X_BYTES / (int64_t)(sizeof(float) * 2 * (pairs > 0 ? pairs : 1)) / FMA_MR * FMA_MR;
-    if (block < FMA_MR) block = FMA_MR;
-    const int64_t blocks = (m + block - 1) / block;
-    if (blocks > 1) block = ((m + blocks - 1) / blocks + FMA_MR - 1) / FMA_MR * FMA_MR;
+    const int64_t block = fma_row_block(m, (int64_t)sizeof(float) * 2 * pairs);
 #pragma omp parallel num_threads(threads)
     {
         /* this thread's widened panel group (fma_block), where the row blocks are tall enough */
@@ -721,10 +727,7 @@ static int linear_fp16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
         free(scale);
         return -1;
     }
-    int64_t block = FMA_X_BYTES / (int64_t)(sizeof(uint32_t) * (pairs > 0 ? pairs : 1)) / FMA_MR * FMA_MR;
-    if (block < FMA_MR) block = FMA_MR;
-    const int64_t blocks = (m + block - 1) / block;
-    if (blocks > 1) block = ((m + blocks - 1) / blocks + FMA_MR - 1) / FMA_MR * FMA_MR;
+    const int64_t block = fma_row_block(m, (int64_t)sizeof(uint32_t) * pairs);
 #pragma omp parallel num_threads(threads)
     {
         uint32_t *wh = aligned_alloc(64, sizeof(uint32_t) * (size_t)(pairs * FMA_NP * NR));
