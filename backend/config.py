@@ -83,10 +83,12 @@ class EngineConfig:
                                                # float32 FMAs over the bfloat16 weights instead of bf16 dot
                                                # products (AVX-512F builds); None: timed at start-up, 0: never
                                                # (backend/model/cpu_linear_tuning.choose_fma_rows)
-    cpu_linear_fp16_rows: int = 0              # CPU bfloat16, our kernel: calls of at least this many rows run
+    cpu_linear_fp16_rows: int | None = None    # CPU bfloat16, our kernel: calls of at least this many rows run
                                                # float16 FMAs (AVX512-FP16 builds: twice float32's products per
-                                               # instruction; sums in float16 over 32 pairs of k, then float32);
-                                               # 0: never (docs/benchmarks.md, "Float16 matmuls")
+                                               # instruction; rows scaled, sums in float16 over 32 pairs of k,
+                                               # then float32); None: timed at start-up, on where 10% faster
+                                               # and every weight under 1024; 0: never
+                                               # (backend/model/cpu_linear_tuning.choose_fp16_rows)
     cpu_prefill_bf16_kernel: Literal["auto", "dp", "fma"] = "auto"  # CPU bfloat16 prompt attention, ours:
                                                # the build's own function (dp) or the float32-FMA one (fma,
                                                # AVX-512F); auto: timed at start-up
@@ -188,7 +190,8 @@ class EngineConfig:
               f"cpu_prefill_attention must be one of {CPU_PREFILL_ATTENTION_CHOICES}")
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         check(self.cpu_linear_fma_rows is None or self.cpu_linear_fma_rows >= 0, "cpu_linear_fma_rows must be >= 0")
-        check(self.cpu_linear_fp16_rows >= 0, "cpu_linear_fp16_rows must be >= 0")
+        check(self.cpu_linear_fp16_rows is None or self.cpu_linear_fp16_rows >= 0,
+              "cpu_linear_fp16_rows must be >= 0")
         check(self.cpu_prefill_bf16_kernel in ("auto", "dp", "fma"), "cpu_prefill_bf16_kernel must be auto, dp or fma")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")

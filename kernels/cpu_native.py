@@ -147,7 +147,9 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "linear_bf16_use_fma": (_I64, [_I64]),
         "linear_bf16_fma_rows": (_I64, []),
         "linear_bf16_use_fp16": (_I64, [_I64]),
+        "linear_bf16_fp16_rows": (_I64, []),
         "linear_bf16_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
+        "linear_bf16_logits": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
         "linear_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
         "linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
         "decoder_layers": (_INT, [_INT, ctypes.POINTER(DecoderLayerPointers), _I64, ctypes.POINTER(DecoderShape),
@@ -211,13 +213,13 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
 
 def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                    bias: torch.Tensor | None, library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """One call of a projection kernel (``linear_f32``, ``linear_bf16`` or ``linear_bf16_f32``:
-    the same arguments, the last without a bias). ``library``: another build (tests)."""
+    """One call of a projection kernel (``linear_f32``, ``linear_bf16``, ``linear_bf16_f32`` or
+    ``linear_bf16_logits``: the same arguments, the last two without a bias). ``library``: another build (tests)."""
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=out_dtype)
     if rows:
         function = getattr(load() if library is None else library, kernel)
-        bias_args = () if kernel == "linear_bf16_f32" else (None if bias is None else bias.data_ptr(),)
+        bias_args = () if kernel in ("linear_bf16_f32", "linear_bf16_logits") else (None if bias is None else bias.data_ptr(),)
         status = function(x.data_ptr(), rows, in_features, x.stride(0), packed.data_ptr(), out_features, *bias_args,
                           out.data_ptr(), torch.get_num_threads())
         if status != 0:
@@ -315,6 +317,13 @@ def linear_bf16_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     ``x``: [rows, in_features] bfloat16 CPU, unit column stride, in_features even; returns a
     new contiguous float32 [rows, out_features]."""
     return _packed_linear("linear_bf16_f32", torch.float32, x, packed, out_features, None, library)
+
+
+def linear_bf16_logits(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                       library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``linear_bf16_f32`` never through the float16 version (``use_bf16_fp16_rows``): the LM
+    head's float32 logits, whose top tokens a float16 sum could reorder."""
+    return _packed_linear("linear_bf16_logits", torch.float32, x, packed, out_features, None, library)
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,

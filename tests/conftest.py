@@ -179,6 +179,20 @@ def auto_dtype_is_float32():
         yield
 
 
+@pytest.fixture
+def fp16_matmuls_off():
+    """Our bfloat16 kernel's float16 version off for the test (the threshold restored after). It
+    is a process-wide switch that a bfloat16 engine started earlier in this worker may have left
+    on (the start-up timing turns it on where it wins), and the kernel tests that call the library
+    directly hold the other versions to their own, tighter, error bounds."""
+    from backend.model.cpu_linear import bf16_fp16_rows, use_bf16_fp16_rows
+
+    before = bf16_fp16_rows()
+    use_bf16_fp16_rows(0)
+    yield
+    use_bf16_fp16_rows(before)
+
+
 # For an engine or server test that is not about prefill chunk sizes: a fixed token budget
 # instead of chunks sized to the ITL target, so that its configuration is not calibrated at
 # start-up (8-15 s on the 2-core AVX2 EPYC, Zen 3, for each configuration first seen in a run).

@@ -19,6 +19,8 @@ from backend.model.cpu_features import detect
 from kernels import amx_probe, cpu_native
 from kernels.amx_probe import ProbeOutcome
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 EMULATED = ("-mno-avx512f", "-DLINEAR_BF16_EMULATE_AMX")
 FAULTS = {1: ProbeOutcome.CRASHED, 2: ProbeOutcome.WRONG, 3: ProbeOutcome.HUNG, 4: ProbeOutcome.REFUSED}
 HANG_TIMEOUT_S = 3.0

@@ -44,12 +44,13 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
     return mixed_prompts
 
 
-# "auto": what this CPU picks; "sdpa": fresh prompts through torch's SDPA, which rounds the
-# softmax probabilities to bfloat16 (what auto may pick on AVX-512 CPUs); "fp16-matmuls": the
-# linear kernel's float16 version from 64 rows (where the build has it: AVX512-FP16), which sums
-# in float16; all held to the same floors.
+# "auto": what this CPU picks (the float16 matmuls where they build and win the start-up timing);
+# "sdpa": fresh prompts through torch's SDPA, which rounds the softmax probabilities to bfloat16
+# (what auto may pick on AVX-512 CPUs); "fp16-matmuls": the linear kernel's float16 version from
+# 64 rows (where the build has it: AVX512-FP16), which sums in float16, whatever the timing says;
+# "fp16-matmuls=never": without it. All held to the same floors.
 OPTIONS = {"prefill_attention=auto": {}, "prefill_attention=sdpa": {"cpu_prefill_attention": "sdpa"},
-           "fp16-matmuls": {"cpu_linear_fp16_rows": 64}}
+           "fp16-matmuls": {"cpu_linear_fp16_rows": 64}, "fp16-matmuls=never": {"cpu_linear_fp16_rows": 0}}
 
 
 @pytest.fixture(scope="module", params=list(OPTIONS))

@@ -22,6 +22,8 @@ from backend.model.cpu_linear import (Int8Linear, TorchLinear, native_kernel_ava
 from backend.model.llama import AttentionMetadata, CausalLM
 from kernels import EVERY_PREFILL, cpu_attention
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 
 # name -> (query rows per sequence, tokens already cached per sequence)

@@ -17,6 +17,8 @@ from backend.model.cpu_linear import (Int8Linear, NativeLinear, PackedLinear, on
                                 pack_panels, replace_linears, resolve_cpu_linear)
 from kernels import cpu_native
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 
 def test_fast_paths_are_available_here() -> None:
     # The CPU default depends on them; a machine without gcc / AVX2 or a torch build without

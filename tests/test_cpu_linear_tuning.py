@@ -21,6 +21,8 @@ from backend.model.cpu_linear_tuning import (HINTED_ONEDNN, NATIVE_MARGIN, PATH_
                                              choose_cpu_linear, fastest, path_makers, projection_shapes, time_paths)
 from kernels import cpu_native
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 AVX2 = CpuFeatures.of("avx2", "fma")
 AVX512 = CpuFeatures.of("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX512_BF16 = CpuFeatures.of(*AVX512.flags, "avx512_bf16")

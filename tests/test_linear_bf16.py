@@ -20,6 +20,8 @@ from backend.model.cpu_linear import (Float32Logits, NativeBf16Linear, PackedLin
 from backend.model.cpu_features import detect
 from kernels import cpu_native
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 # version -> (flags added to the engine's build, CPU flags it needs). Every build starts from
 # -march=native and switches off what the version must not use. "amx-emulated" is the AMX
 # version's code over tiles in plain C (kernels/csrc/linear_bf16.c): its blocking, padding,

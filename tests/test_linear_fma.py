@@ -26,6 +26,8 @@ from backend.model.cpu_linear_tuning import (FMA_CANDIDATE_ROWS, FMA_MARGIN, Fma
 from kernels import cpu_native
 from tests.test_linear_bf16 import within_one_rounding
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16")
 # build -> (flags added to the engine's, CPU flags it needs, linear_bf16_version of the build).
 FMA_BUILDS = {

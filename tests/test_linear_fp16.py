@@ -1,11 +1,13 @@
 """The float16 version of our bfloat16 linear kernel (kernels/csrc/linear_bf16.c: each row of x
 scaled by a power of 2, operands narrowed to float16, 512-bit float16 FMAs summing FP16_KC pairs
-of k, float32 after that; AVX512-FP16 builds, for calls of ``cpu_linear_fp16_rows`` rows and
-more) against the float64 product of the same bfloat16 operands. Its sums are not the float32
+of k, float32 after that; AVX512-FP16 builds, for calls of as many rows as the start-up timing
+or ``cpu_linear_fp16_rows`` says) against the float64 product of the same bfloat16 operands. Its sums are not the float32
 versions': each product and partial sum is rounded to float16 (11 significant bits), so the
 check is the rounding-error bound of such a sum plus a bound on the overall relative error that
 a kernel dropping or doubling terms cannot meet. A build the CPU cannot run is reported NOT RUN;
-a build without AVX512-FP16 must not have the version (it answers 0 when asked for it)."""
+a build without AVX512-FP16 must not have the version (it answers 0 when asked for it). Also:
+the logits' entry never runs it, the start-up choice of its threshold (fake clocks), and the
+engine turning it on only where every weight is in its range."""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ import platform
 import pytest
 import torch
 
+from backend import Engine, EngineConfig
+from backend.model import cpu_linear_tuning
 from backend.model.cpu_features import detect
-from backend.model.cpu_linear import pack_pairs, use_bf16_fp16_rows
+from backend.model.cpu_linear import bf16_fp16_built, bf16_fp16_rows, pack_pairs, use_bf16_fp16_rows
+from backend.model.cpu_linear_tuning import FP16_MARGIN, Fp16Timing, choose_fp16_rows, fp16_threshold
+from backend.worker import model_runner
 from kernels import cpu_native
 from tests.test_linear_fma import threads  # noqa: F401 - the fixture (1-3 torch threads), reused
 
@@ -72,6 +78,14 @@ def check(library: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> None:
     assert ((rounded - with_bias).abs() <= with_bias.abs() * 2.0 ** -8 + 1e-6).all()
 
 
+def products_float16_rounds() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight and x whose products (1 + 2^-7)^2 need 15 significant bits: float32 sums give
+    the exact product (returned third), float16 ones do not."""
+    weight = torch.full((16, 4), 1.0 + 2.0 ** -7).bfloat16()
+    x = torch.full((3, 4), 1.0 + 2.0 ** -7).bfloat16()
+    return weight, x, x.float() @ weight.float().T
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64, 129, 600])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (50, 578), (48, 96), (96, 2)])
 def test_fp16_within_its_rounding_of_the_exact_product(fp16_library: ctypes.CDLL, rows: int, out_features: int,
@@ -96,9 +110,7 @@ def test_fewer_panel_groups_than_threads_run_another_version(fp16_library: ctype
     and the call runs the dot products (or float32 FMAs). Told apart by products that float16
     rounds ((1 + 2^-7)^2 needs 15 significant bits) and float32 holds."""
     previous = torch.get_num_threads()
-    weight = torch.full((16, 4), 1.0 + 2.0 ** -7).bfloat16()
-    x = torch.full((3, 4), 1.0 + 2.0 ** -7).bfloat16()
-    exact = x.float() @ weight.float().T
+    weight, x, exact = products_float16_rounds()
     try:
         for count, float16 in ((1, True), (2, False)):
             torch.set_num_threads(count)
@@ -113,3 +125,78 @@ def test_a_build_without_avx512_fp16_has_no_float16_version() -> None:
         pytest.skip("NOT RUN: needs an x86 CPU with AVX2 + FMA to build our kernel")
     library = cpu_native.open_library(cpu_native.build(cflags=cpu_native.CFLAGS + NO_AMX + ("-mno-avx512fp16",)))
     assert use_bf16_fp16_rows(1, library) == 0
+
+
+def test_the_logits_entry_never_runs_the_float16_version(fp16_library: ctypes.CDLL) -> None:
+    """The LM head's float32 logits (``Float32Logits``) go through ``linear_bf16_logits``: with
+    the float16 version on from one row, the float32 entry runs it and the logits' does not."""
+    previous = torch.get_num_threads()
+    weight, x, exact = products_float16_rounds()
+    try:
+        torch.set_num_threads(1)
+        assert not torch.equal(cpu_native.linear_bf16_f32(x, pack_pairs(weight), 16, library=fp16_library), exact)
+        assert torch.equal(cpu_native.linear_bf16_logits(x, pack_pairs(weight), 16, library=fp16_library), exact)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def timings(pairs: dict[int, tuple[float, float]]) -> list[Fp16Timing]:
+    return [Fp16Timing(rows, without, with_fp16) for rows, (without, with_fp16) in pairs.items()]
+
+
+def test_the_threshold_is_where_it_wins_by_its_margin_at_every_count_above() -> None:
+    assert fp16_threshold(timings({32: (1.0, 1.0), 64: (2.0, 1.5), 512: (8.0, 6.0)})) == 64
+    assert fp16_threshold(timings({32: (1.0, 0.5), 64: (1.0, 1.0), 512: (8.0, 6.0)})) == 512
+    assert fp16_threshold(timings({64: (FP16_MARGIN * 0.99, 1.0), 512: (FP16_MARGIN * 1.01, 1.0)})) == 512
+    assert fp16_threshold(timings({64: (2.0, 1.0), 512: (FP16_MARGIN * 0.99, 1.0)})) == 0
+    assert fp16_threshold([]) == 0
+
+
+def test_the_start_up_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed where the projections run our kernel unquantized and the version is built; forced
+    by ``cpu_linear_fp16_rows``; never where it computes wrong results."""
+    from tests.test_linear_fma import tiny_arch
+
+    monkeypatch.setattr(cpu_linear_tuning, "bf16_fp16_built", lambda: True)
+    calls = []
+
+    def timer(error: float):
+        def timed(shapes):
+            calls.append(shapes)
+            return timings({32: (1.0, 1.0), 64: (2.0, 1.2), 512: (16.0, 9.0)}), error
+        return timed
+
+    arch = tiny_arch()
+    rows, note = choose_fp16_rows("native", arch, timer=timer(1e-3))
+    assert rows == 64 and "from 64 rows" in note and "64 rows 2.00/1.20 ms" in note
+    assert choose_fp16_rows("native", arch, timer=timer(0.5)) == (0, "float16 matmuls never (wrong results here: "
+                                                                       "error 0.5)")
+    calls.clear()
+    assert choose_fp16_rows("native", arch, timer=timer(1e-3), forced=96)[0] == 96
+    assert choose_fp16_rows("native", arch, timer=timer(1e-3), forced=0)[0] == 0
+    assert choose_fp16_rows("onednn", arch, timer=timer(1e-3)) == (0, "")
+    assert choose_fp16_rows("native", arch, "int8", timer=timer(1e-3)) == (0, "")
+    assert not calls
+    monkeypatch.setattr(cpu_linear_tuning, "bf16_fp16_built", lambda: False)
+    assert choose_fp16_rows("native", arch, timer=timer(1e-3)) == (0, "")
+
+
+def test_the_engine_turns_it_on_only_where_every_weight_is_in_range(model_dir, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """Forced from 64 rows: on (where built) for SmolLM2, whose weights are far under the limit;
+    off, and said, for a model with a weight over it (the limit lowered here)."""
+    config = EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, itl_target_ms=0.0,
+                          cpu_linear="native", cpu_linear_fp16_rows=64)
+    if not cpu_native.linear_bf16_available():
+        pytest.skip("NOT RUN: our bfloat16 kernel does not build here")
+    try:
+        engine = Engine(config)
+        expected = 64 if bf16_fp16_built() else 0
+        assert engine.runner.bf16_fp16_rows == expected and bf16_fp16_rows() == expected
+        assert any(note.startswith("float16 matmuls") for note in engine.runner.startup_notes)
+        monkeypatch.setattr(model_runner, "FP16_WEIGHT_MAX", 1e-3)
+        engine = Engine(config)
+        assert engine.runner.bf16_fp16_rows == 0 and bf16_fp16_rows() == 0
+        assert any("> 0.001" in note for note in engine.runner.startup_notes), engine.runner.startup_notes
+    finally:
+        use_bf16_fp16_rows(0)

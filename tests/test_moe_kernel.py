@@ -19,6 +19,8 @@ from kernels import cpu_native
 from kernels.moe import moe_reference, moe_reference_bf16, route_softmax_topk
 from tests.test_linear_bf16 import bf16_kernel, bf16_library  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+
 
 def packed(weights: torch.Tensor) -> torch.Tensor:
     return torch.stack([pack_pairs(w) for w in weights])

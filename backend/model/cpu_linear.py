@@ -67,10 +67,30 @@ def use_bf16_fma_rows(min_rows: int, library: ctypes.CDLL | None = None) -> int:
 
 
 def use_bf16_fp16_rows(min_rows: int, library: ctypes.CDLL | None = None) -> int:
-    """Run the bfloat16 kernel's float16 version (AVX512-FP16 builds) for calls of ``min_rows``
-    rows and more (0: never); returns the threshold now in effect (0 where it is not built)."""
+    """From how many rows our bfloat16 kernel's calls run its float16 version (AVX512-FP16 builds;
+    0: never), for this process; returns the threshold now in effect (0 where it is not built).
+    The engine sets it once its weights are loaded (``ModelRunner``), from the start-up timing
+    (``backend.model.cpu_linear_tuning.choose_fma_rows``) where every weight is in range; it
+    comes before the float32 FMAs, and never serves ``linear_bf16_logits``."""
     library = cpu_native.load() if library is None else library
     return 0 if library is None else int(library.linear_bf16_use_fp16(max(int(min_rows), 0)))
+
+
+def bf16_fp16_rows(library: ctypes.CDLL | None = None) -> int:
+    """The threshold ``use_bf16_fp16_rows`` left (0: the float16 version never runs)."""
+    library = cpu_native.load() if library is None else library
+    return 0 if library is None else int(library.linear_bf16_fp16_rows())
+
+
+def bf16_fp16_built(library: ctypes.CDLL | None = None) -> bool:
+    """Our bfloat16 kernel's build has its float16 version (gcc targets AVX512-FP16)."""
+    library = cpu_native.load() if library is None else library
+    if library is None:
+        return False
+    before = bf16_fp16_rows(library)
+    built = bool(use_bf16_fp16_rows(1, library))
+    use_bf16_fp16_rows(before, library)
+    return built
 
 
 # The float16 version holds a packed weight's values in float16 and sums up to 32 products per
@@ -308,7 +328,7 @@ class Float32Logits(nn.Module):
             return F.linear(x.float(), self.float_weight)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return cpu_native.linear_bf16_f32(x, self.packed_weight, self.out_features)
+        return cpu_native.linear_bf16_logits(x, self.packed_weight, self.out_features)
 
     def extra_repr(self) -> str:
         path = f"bf16 kernel ({cpu_native.linear_bf16_version()})" if self.packed_weight is not None else "float32 copy"

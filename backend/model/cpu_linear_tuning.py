@@ -55,9 +55,9 @@ from torch import nn
 
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
-from backend.model.cpu_linear import (bf16_fma_built, bf16_fma_rows, linear_maker, native_kernel_available,
-                                      onednn_packing_available, pack_pairs, resolve_cpu_linear, rule_is_measured,
-                                      use_bf16_fma_rows)
+from backend.model.cpu_linear import (bf16_fma_built, bf16_fma_rows, bf16_fp16_built, bf16_fp16_rows, linear_maker,
+                                      native_kernel_available, onednn_packing_available, pack_pairs,
+                                      resolve_cpu_linear, rule_is_measured, use_bf16_fma_rows, use_bf16_fp16_rows)
 from kernels import cpu_native
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class LinearChoice:
     timings: tuple[PathTiming, ...] = ()   # empty where the rule or an explicit choice decided
     onednn_batch_hint: int | None = None   # onednn: the rows its weights are packed for (None: no hint)
     fma_min_rows: int = 0                  # our bf16 kernel: float32 FMAs from this many rows (0: never)
+    fp16_min_rows: int = 0                 # ... float16 FMAs from this many, if the weights allow (0: never)
 
 
 def projection_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
@@ -218,19 +219,26 @@ def choose_cpu_linear(choice: str, dtype: torch.dtype, arch: ModelArchitecture, 
                       max_num_seqs: int = DECODE_ROWS, quantization: str = "none", features: CpuFeatures | None = None,
                       timer: Callable[..., tuple[list[PathTiming], dict[str, float]]] = time_paths,
                       fma_timer: Callable[..., tuple[list[FmaTiming], float]] | None = None,
-                      fma_rows: int | None = None) -> LinearChoice:
+                      fma_rows: int | None = None,
+                      fp16_timer: Callable[..., tuple[list[Fp16Timing], float]] | None = None,
+                      fp16_rows: int | None = None) -> LinearChoice:
     """The linear-layer path, and why: an explicit choice as given; ``auto`` by the measured rule
     where it has figures for this CPU and dtype, else timed as ``measure`` is. Where that is our
     bfloat16 kernel, also from how many rows it runs float32 FMAs (``choose_fma_rows``; ``fma_rows``:
-    EngineConfig.cpu_linear_fma_rows), which is set for the process here. ``features``, ``timer``
-    and ``fma_timer``: tests fake the machine and the clocks."""
+    EngineConfig.cpu_linear_fma_rows), which is set for the process here, and from how many its
+    float16 version would (``choose_fp16_rows``; ``fp16_rows``: EngineConfig.cpu_linear_fp16_rows),
+    which the engine sets once it has seen the weights. ``features``, ``timer``, ``fma_timer`` and
+    ``fp16_timer``: tests fake the machine and the clocks."""
     features = features or detect()
     linear = _choose_path(choice, dtype, arch, on_cpu, max_num_seqs, quantization, features, timer)
     if not (on_cpu and dtype == torch.bfloat16):
         return linear
     rows, note = choose_fma_rows(linear.path, arch, quantization, features, fma_timer or time_fma, fma_rows)
     use_bf16_fma_rows(rows)
-    return dataclasses.replace(linear, why=f"{linear.why}; {note}", fma_min_rows=rows) if note else linear
+    if note:
+        linear = dataclasses.replace(linear, why=f"{linear.why}; {note}", fma_min_rows=rows)
+    rows, note = choose_fp16_rows(linear.path, arch, quantization, fp16_timer or time_fp16, fp16_rows)
+    return dataclasses.replace(linear, why=f"{linear.why}; {note}", fp16_min_rows=rows) if note else linear
 
 
 def _choose_path(choice: str, dtype: torch.dtype, arch: ModelArchitecture, on_cpu: bool, max_num_seqs: int,
@@ -282,6 +290,18 @@ FMA_MARGIN = 1.05          # the FMAs must be this much faster at a row count to
 FMA_MAX_WEIGHTS = 1 << 21  # a timed projection's weight, at most (elements: columns cut beyond; SmolLM2 is whole)
 FMA_CHECK_ROWS = 37        # the rows the FMAs' output is checked at (every tile shape: 4 x 8 rows and 5)
 FMA_ROUNDS = 5             # ~60 ms a round for SmolLM2-135M's layer on the 2-core Xeon
+# The float16 version (AVX512-FP16 builds) changes the sums' rounding: it must buy at least this.
+FP16_MARGIN = 1.10
+
+
+@dataclass(frozen=True)
+class Fp16Timing:
+    rows: int
+    without_ms: float   # the projections of one layer as the kernel runs them without the float16 version
+    fp16_ms: float      # the same through it
+
+    def describe(self) -> str:
+        return f"{self.rows} rows {self.without_ms:.2f}/{self.fp16_ms:.2f} ms"
 
 
 @dataclass(frozen=True)
@@ -310,51 +330,75 @@ def time_fma(shapes: list[tuple[int, int]], rows: tuple[int, ...] = FMA_CANDIDAT
     float32 (``relative_error``) at ``FMA_CHECK_ROWS`` rows. The process's threshold is left as it
     was. In-process results are kept per shapes, rows and threads (engines started again in one
     process, as tests do, time once)."""
-    return _time_fma(tuple(shapes), tuple(rows), rounds, torch.get_num_threads(), library)
+    pairs, error = _time_version("fma", tuple(shapes), tuple(rows), rounds, torch.get_num_threads(), library, 0)
+    return [FmaTiming(r, off, on) for r, off, on in pairs], error
+
+
+def time_fp16(shapes: list[tuple[int, int]], rows: tuple[int, ...] = FMA_CANDIDATE_ROWS,
+              rounds: int = FMA_ROUNDS, library=None) -> tuple[list[Fp16Timing], float]:
+    """As ``time_fma``, the float16 version against what the kernel runs without it (the
+    float32-FMA threshold in effect now, as ``choose_fma_rows`` just set it)."""
+    pairs, error = _time_version("fp16", tuple(shapes), tuple(rows), rounds, torch.get_num_threads(), library,
+                                 bf16_fma_rows(library))
+    return [Fp16Timing(r, off, on) for r, off, on in pairs], error
 
 
 @lru_cache(maxsize=16)
-def _time_fma(shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...], rounds: int, threads: int,
-              library) -> tuple[list[FmaTiming], float]:
+def _time_version(version: str, shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...], rounds: int,
+                  threads: int, library, fma_rows_now: int) -> tuple[list[tuple[int, float, float]], float]:
+    """(rows, ms without, ms with) per row count, and the error with, for ``version`` ``fma`` or
+    ``fp16``; ``fma_rows_now`` keys the cache (the float16 timing's baseline depends on it)."""
+    switch = use_bf16_fma_rows if version == "fma" else use_bf16_fp16_rows
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.02).bfloat16() for k, n in shapes]
     packed = [pack_pairs(w) for w in weights]
     inputs = {r: {k: torch.randn(r, k, generator=generator).bfloat16() for k, _ in shapes}
               for r in (*rows, FMA_CHECK_ROWS)}
 
-    before = bf16_fma_rows(library)
+    before = (bf16_fma_rows if version == "fma" else bf16_fp16_rows)(library)
     # Each projection keeps its best round (short timed units: a shared machine disturbs fewer).
-    best = {(r, fma): [float("inf")] * len(shapes) for r in rows for fma in (False, True)}
+    best = {(r, on): [float("inf")] * len(shapes) for r in rows for on in (False, True)}
     try:
         with torch.inference_mode():
-            use_bf16_fma_rows(1, library)
+            switch(1, library)
             checked = inputs[FMA_CHECK_ROWS]
             error = max(relative_error(cpu_native.linear_bf16(checked[k], p, n, None, library=library),
                                        F.linear(checked[k].float(), w.float()))
                         for (k, n), p, w in zip(shapes, packed, weights))
             for _ in range(rounds):
                 for r in rows:
-                    for fma in (False, True):
-                        use_bf16_fma_rows(1 if fma else 0, library)
+                    for on in (False, True):
+                        switch(1 if on else 0, library)
                         for i, ((k, n), p) in enumerate(zip(shapes, packed)):
                             x = inputs[r][k]
                             start = time.perf_counter()
                             cpu_native.linear_bf16(x, p, n, None, library=library)
-                            best[r, fma][i] = min(best[r, fma][i], (time.perf_counter() - start) * 1e3)
+                            best[r, on][i] = min(best[r, on][i], (time.perf_counter() - start) * 1e3)
     finally:
-        use_bf16_fma_rows(before, library)
-    return [FmaTiming(r, sum(best[r, False]), sum(best[r, True])) for r in rows], error
+        switch(before, library)
+    return [(r, sum(best[r, False]), sum(best[r, True])) for r in rows], error
+
+
+def faster_from(timings: list[tuple[int, float, float]], margin: float) -> int:
+    """The smallest row count of ``(rows, ms without, ms with)`` from which the version was
+    ``margin`` faster at every timed count above it (0: none)."""
+    threshold = 0
+    for rows, without_ms, with_ms in sorted(timings, reverse=True):
+        if without_ms < with_ms * margin:
+            break
+        threshold = rows
+    return threshold
 
 
 def fma_threshold(timings: list[FmaTiming]) -> int:
     """The smallest timed row count from which the FMAs were ``FMA_MARGIN`` faster at every
     timed count (0: none)."""
-    threshold = 0
-    for timing in sorted(timings, key=lambda t: t.rows, reverse=True):
-        if timing.dot_ms < timing.fma_ms * FMA_MARGIN:
-            break
-        threshold = timing.rows
-    return threshold
+    return faster_from([(t.rows, t.dot_ms, t.fma_ms) for t in timings], FMA_MARGIN)
+
+
+def fp16_threshold(timings: list[Fp16Timing]) -> int:
+    """The same for the float16 version, by ``FP16_MARGIN``."""
+    return faster_from([(t.rows, t.without_ms, t.fp16_ms) for t in timings], FP16_MARGIN)
 
 
 def choose_fma_rows(path: str, arch: ModelArchitecture, quantization: str = "none",
@@ -384,3 +428,30 @@ def choose_fma_rows(path: str, arch: ModelArchitecture, quantization: str = "non
     figures = ", ".join(t.describe() for t in timings)
     return rows, (f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} (a layer, dot "
                   f"products/FMAs: {figures})")
+
+
+def choose_fp16_rows(path: str, arch: ModelArchitecture, quantization: str = "none",
+                     timer: Callable[..., tuple[list[Fp16Timing], float]] = time_fp16,
+                     forced: int | None = None) -> tuple[int, str]:
+    """From how many rows our bfloat16 kernel should run its float16 version (0: never), and a
+    note for the log ('' where there is nothing to say). Timed, after ``choose_fma_rows`` has set
+    the FMAs' threshold, where the projections run our kernel unquantized and the build has the
+    version (AVX512-FP16); it runs from the smallest timed row count from which it was
+    ``FP16_MARGIN`` faster at every timed count. Not set for the process here: the engine turns
+    it on once it has seen the weights (``FP16_WEIGHT_MAX``). ``forced``
+    (EngineConfig.cpu_linear_fp16_rows): that threshold, untimed."""
+    if path != "native" or quantization != "none" or not bf16_fp16_built():
+        return 0, ""
+    if forced is not None:
+        rows = max(int(forced), 0)
+        return rows, f"float16 matmuls {f'from {rows} rows' if rows else 'never'} (cpu_linear_fp16_rows)"
+    timings, error = timer(fma_shapes(arch))
+    if not error <= TOLERANCE[torch.bfloat16]:
+        logger.warning("cpu_linear: the bfloat16 kernel's float16 version computes wrong results on this CPU "
+                       "(max relative error %.3g against F.linear, tolerance %.3g): not used", error,
+                       TOLERANCE[torch.bfloat16])
+        return 0, f"float16 matmuls never (wrong results here: error {error:.3g})"
+    rows = fp16_threshold(timings)
+    figures = ", ".join(t.describe() for t in timings)
+    return rows, (f"float16 matmuls {f'from {rows} rows' if rows else 'never'} (a layer, without/with: "
+                  f"{figures})")

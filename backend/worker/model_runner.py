@@ -108,10 +108,10 @@ class ModelRunner:
         self.attention = attention_backend_for(config.attention_backend, self.device)
         linear_choice = choose_cpu_linear(config.cpu_linear, self.dtype, arch, self.device.type == "cpu",
                                           config.max_num_seqs, config.quantization,
-                                          fma_rows=config.cpu_linear_fma_rows)
+                                          fma_rows=config.cpu_linear_fma_rows, fp16_rows=config.cpu_linear_fp16_rows)
         self.cpu_linear = linear_choice.path
         self.bf16_fma_rows = linear_choice.fma_min_rows     # our bf16 kernel's float32 FMAs from these rows
-        self.bf16_fp16_rows = 0                             # ... and float16 FMAs (set below on CPU)
+        self.bf16_fp16_rows = 0                             # ... and float16 FMAs (set once the weights are seen)
         self.onednn_batch_hint = linear_choice.onednn_batch_hint
         # What the start-up chose and why, a line each: logged here, printed by the served model.
         self.startup_notes: list[str] = [f"weights and KV cache in {self.dtype_choice}"]
@@ -135,8 +135,8 @@ class ModelRunner:
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention, self.cpu_linear, config.quantization, config.fused_layer_ops,
                                 self.onednn_batch_hint)
-        if self.device.type == "cpu" and config.cpu_linear_fp16_rows:
-            self.startup_notes.append(self._use_fp16_matmuls(config.cpu_linear_fp16_rows))
+        if self.device.type == "cpu" and linear_choice.fp16_min_rows:
+            self.startup_notes.append(self._use_fp16_matmuls(linear_choice.fp16_min_rows))
             logger.info("%s", self.startup_notes[-1])
         self.prefill_attention = choose_prefill_attention(
             config.cpu_prefill_attention, self.dtype, arch, self.block_size,
@@ -238,17 +238,18 @@ class ModelRunner:
         return self.lora_slots
 
     def _use_fp16_matmuls(self, min_rows: int) -> str:
-        """Turn on our bfloat16 kernel's float16 version (EngineConfig.cpu_linear_fp16_rows) where
-        it serves this model; says what was done."""
+        """Turn on our bfloat16 kernel's float16 version from ``min_rows`` rows (the start-up timing's
+        or EngineConfig.cpu_linear_fp16_rows) where every packed weight is in its range; says what
+        was done."""
         if self.cpu_linear != "native" or self.dtype != torch.bfloat16:
-            return "float16 matmuls: off (cpu_linear_fp16_rows needs bfloat16 weights on our kernel)"
+            return "float16 matmuls: off (they need bfloat16 weights on our kernel)"
         largest = largest_packed_bf16_weight(self.model)
         if largest > FP16_WEIGHT_MAX:
             return f"float16 matmuls: off (a weight of magnitude {largest:.3g} > {FP16_WEIGHT_MAX:g})"
         self.bf16_fp16_rows = use_bf16_fp16_rows(min_rows)
         if not self.bf16_fp16_rows:
             return "float16 matmuls: off (this build has no AVX512-FP16 version)"
-        return f"float16 matmuls from {self.bf16_fp16_rows} rows (cpu_linear_fp16_rows)"
+        return f"float16 matmuls from {self.bf16_fp16_rows} rows (weights up to {largest:.3g})"
 
     def timing_signature(self) -> dict[str, object]:
         """What decides how long a step takes here, beside the step's shape: the key of the

@@ -607,15 +607,18 @@ static int linear_fma(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
 }
 #endif
 
-/* Float16 FMAs over the same packed weight (EXPERIMENTAL, off unless built with
- * -DLINEAR_BF16_FP16_ROWS=N: benchmarks/cpu_linear.py --variant). Why look: on the Emerald
- * Rapids Xeon a 512-bit float16 FMA (AVX512-FP16) issues as often as a float32 one and does
- * twice the products. A thread narrows its panel group to float16 once per row block (a pair
- * of k per 32-bit lane, the even k in the low half, as packed); x is narrowed once per call,
- * k-major per tile of rows, a pair per 32-bit lane; a broadcast of a row's pair times the
- * narrowed panel gives each lane one k's product. The lanes accumulate in float16 over
- * FP16_KC pairs, then are added into float32 partial sums; the even and odd lanes of a column
- * are added at the end. No range check yet: values past float16's range give inf. */
+/* Float16 FMAs over the same packed weight (AVX512-FP16 builds; from fp16_min_rows rows, which the
+ * engine times at start-up against the float32 FMAs and the dot products; -DLINEAR_BF16_FP16_ROWS=N
+ * sets it at load for benchmarks/cpu_linear.py --variant). Why: on the Emerald Rapids Xeon a
+ * 512-bit float16 FMA issues as often as a float32 one and does twice the products. A thread
+ * narrows its panel group to float16 once per row block (a pair of k per 32-bit lane, the even k
+ * in the low half, as packed); x is scaled per row by a power of 2 to a largest magnitude under 1
+ * and narrowed once per call, k-major per tile of rows, a pair per 32-bit lane; a broadcast of a
+ * row's pair times the narrowed panel gives each lane one k's product. The lanes accumulate in
+ * float16 over FP16_KC pairs, then are added into float32 partial sums; the even and odd lanes of
+ * a column are added at the end and the row's scale undone. Range: with weights under 1024 in
+ * magnitude (the engine checks) a float16 partial sum stays under 32 x 1024. A float32 output
+ * asked for the logits' sake (linear_bf16_logits) never runs it. */
 #if defined(FMA_PATH) && defined(__AVX512FP16__)
 #define FP16_PATH 1
 #ifndef FP16_KC
@@ -781,7 +784,7 @@ static int linear_fp16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, con
 }
 #endif
 
-/* From how many rows a call runs the float16 version (0: never; experimental, above). */
+/* From how many rows a call runs the float16 version (0: never; the engine times it at start-up). */
 static int64_t fp16_min_rows =
 #ifdef FP16_PATH
     LINEAR_BF16_FP16_ROWS;
@@ -832,6 +835,9 @@ int64_t linear_bf16_use_fp16(int64_t min_rows) {
 #endif
     return fp16_min_rows;
 }
+
+/* The threshold now in effect (what the last linear_bf16_use_fp16 left). */
+int64_t linear_bf16_fp16_rows(void) { return fp16_min_rows; }
 
 /* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a CPU with AMX the
  * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls took
@@ -1086,13 +1092,13 @@ int linear_bf16_amx_on(void) {
 }
 
 static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
-                  const float *bias, float *yf, uint16_t *yb, int num_threads) {
+                  const float *bias, float *yf, uint16_t *yb, int num_threads, int may_use_fp16) {
 #ifdef AMX_PATH
     const int done = linear_amx(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
     if (done != -2) return done;
 #endif
 #ifdef FP16_PATH
-    if (fp16_min_rows > 0 && m >= fp16_min_rows) {
+    if (may_use_fp16 && fp16_min_rows > 0 && m >= fp16_min_rows) {
         const int done = linear_fp16(x, m, k, ldx, packed, n, bias, yf, yb, num_threads);
         if (done != -2) return done;
     }
@@ -1106,13 +1112,20 @@ static int linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
 /* x: [m, k] bfloat16, row stride ldx, k even; packed as above; y: [m, n] float32 contiguous. */
 int linear_bf16_f32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                     float *y, int num_threads) {
-    return linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads);
+    return linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads, 1);
+}
+
+/* The same, never through the float16 version: a caller that asks float32 out for the logits'
+ * sake (their top tokens) gets products exact and float32 sums whatever fp16_min_rows says. */
+int linear_bf16_logits(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
+                       float *y, int num_threads) {
+    return linear(x, m, k, ldx, packed, n, NULL, y, NULL, num_threads, 0);
 }
 
 /* The same with a bfloat16 y [m, n] contiguous, rounded once; bias: float32 [n] or NULL. */
 int linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                 const float *bias, uint16_t *y, int num_threads) {
-    return linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads);
+    return linear(x, m, k, ldx, packed, n, bias, NULL, y, num_threads, 1);
 }
 
 /* A piece of one matmul for a caller that shares the work out itself (moe.c: the experts of a
