@@ -3,6 +3,7 @@ that feeds them (EngineConfig.step_trace_path)."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -39,6 +40,14 @@ def test_engine_loop_writes_one_record_per_step(tmp_path: Path, model_dir: Path)
     trace = tmp_path / "steps.jsonl"
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
                                  step_trace_path=str(trace)))
+    step_once = engine.step
+
+    def step_with_a_collection():   # the third step runs a full collection: its line must show it
+        if engine.num_steps == 2:
+            gc.collect()
+        return step_once()
+
+    engine.step = step_with_a_collection
     loop = EngineLoop(engine).start()
     try:
         done = []
@@ -54,3 +63,7 @@ def test_engine_loop_writes_one_record_per_step(tmp_path: Path, model_dir: Path)
     assert tokens == [16, 16, 8, 1, 1]            # a 40-token prompt in 16-token chunks, then 2 decodes
     assert prefill == [True, True, True, False, False]
     assert all(s["ms"] > 0 for s in steps) and json.loads(trace.read_text().splitlines()[0])["rows"][0][0] == "r1"
+    assert steps[2]["gc_ms"] > 0 and steps[2]["gc_ms"] <= steps[2]["ms"]
+    assert all(isinstance(s["minor_faults"], int) and s["minor_faults"] >= 0 and isinstance(s["preempted"], int)
+               and s["preempted"] >= 0 for s in steps)
+    assert loop._on_gc not in gc.callbacks         # the loop's collector hook leaves with it

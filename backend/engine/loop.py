@@ -16,8 +16,10 @@ Thread ownership:
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
+import resource
 import threading
 import time
 from collections import deque
@@ -136,6 +138,13 @@ class EngineLoop:
         # Loop-thread state.
         self._malloc_trim = _load_malloc_trim()
         self._step_trace = None   # opened on the loop thread (EngineConfig.step_trace_path)
+        # With the step trace on: seconds the garbage collector ran (any thread; it holds the
+        # GIL), so that each step's line says how much of it was a collection.
+        self._gc_seconds = 0.0
+        self._gc_started: float | None = None
+        self._step_trace_on = bool(engine.config.step_trace_path)
+        if self._step_trace_on:
+            gc.callbacks.append(self._on_gc)
         self._last_trim = time.monotonic()
         self._callbacks: dict[str, OutputCallback] = {}
         self._arrival: dict[str, float] = {}
@@ -253,6 +262,8 @@ class EngineLoop:
                 self._abort_all("server is shutting down: generation stopped")
                 if self._step_trace is not None:
                     self._step_trace.close()
+                if self._on_gc in gc.callbacks:
+                    gc.callbacks.remove(self._on_gc)
                 self._idle.set()
                 return
             if drain_expired and self.engine.requests:
@@ -263,6 +274,8 @@ class EngineLoop:
                     self._fail_all(EngineStepError(f"server is shutting down; aborting failed: {exc!r}"))
                 continue
             started = time.monotonic()
+            gc_before = self._gc_seconds
+            usage_before = resource.getrusage(resource.RUSAGE_SELF) if self._step_trace_on else None
             steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
@@ -278,7 +291,7 @@ class EngineLoop:
                 if record is not None and record.prediction_error is not None:
                     self.latency_samples.append(LatencySample("step_prediction_error", record.prediction_error))
                 if self.engine.config.step_trace_path:
-                    self._trace_step(started, time.monotonic() - started)
+                    self._trace_step(started, time.monotonic() - started, self._gc_seconds - gc_before, usage_before)
             # The snapshot first: whoever sees an output (a final response, and a client that
             # then reads /metrics) finds its step already in the statistics.
             self.stats = self.engine.stats()
@@ -294,20 +307,35 @@ class EngineLoop:
                 self._malloc_trim(0)
                 self._last_trim = time.monotonic()
 
-    def _trace_step(self, started: float, seconds: float) -> None:
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self._gc_seconds += time.perf_counter() - self._gc_started
+            self._gc_started = None
+
+    def _trace_step(self, started: float, seconds: float, gc_seconds: float,
+                    usage_before: resource.struct_rusage | None) -> None:
         """One JSON line per step: its number, start (monotonic s), duration of the loop
         iteration (ms), the engine step's own measured and predicted time (ms; predicted null
-        without a cost model) and rows ``[request id, tokens, prefill?]`` (loadtest/slots.py
-        draws the slot timeline from it, loadtest/steps.py the chunk sizes and errors)."""
+        without a cost model), what else happened in the process meanwhile (the garbage
+        collector's time in ms, minor page faults, involuntary context switches: threads of this
+        process put off a core for another) and rows ``[request id, tokens, prefill?]``
+        (loadtest/slots.py draws the slot timeline from it, loadtest/steps.py the chunk sizes
+        and errors)."""
         if self._step_trace is None:
             self._step_trace = open(self.engine.config.step_trace_path, "a", buffering=1)
         record = self.engine.last_step
-        assert record is not None
+        assert record is not None and usage_before is not None
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         rows = [[request_id, tokens, prefill] for request_id, (tokens, prefill) in record.rows.items()]
         predicted = None if record.predicted_s is None else round(record.predicted_s * 1e3, 3)
         self._step_trace.write(json.dumps({"step": self.engine.num_steps, "t": round(started, 6),
                                            "ms": round(seconds * 1e3, 3), "engine_ms": round(record.measured_s * 1e3, 3),
-                                           "predicted_ms": predicted, "rows": rows}) + "\n")
+                                           "predicted_ms": predicted, "gc_ms": round(gc_seconds * 1e3, 3),
+                                           "minor_faults": usage.ru_minflt - usage_before.ru_minflt,
+                                           "preempted": usage.ru_nivcsw - usage_before.ru_nivcsw,
+                                           "rows": rows}) + "\n")
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):
