@@ -153,11 +153,13 @@ def test_the_threshold_is_where_it_wins_by_its_margin_at_every_count_above() -> 
 
 
 def test_the_start_up_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Timed where the projections run our kernel unquantized and the version is built; forced
-    by ``cpu_linear_fp16_rows``; never where it computes wrong results."""
+    """Timed where the projections run our kernel unquantized, the version is built and no AMX
+    version is; forced by ``cpu_linear_fp16_rows``; never where it computes wrong results (the
+    machine faked: the kernel's version and whether the float16 one is built)."""
     from tests.test_linear_fma import tiny_arch
 
     monkeypatch.setattr(cpu_linear_tuning, "bf16_fp16_built", lambda: True)
+    monkeypatch.setattr(cpu_native, "linear_bf16_version", lambda library=None: "avx512-bf16")
     calls = []
 
     def timer(error: float):
@@ -177,13 +179,16 @@ def test_the_start_up_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_fp16_rows("onednn", arch, timer=timer(1e-3)) == (0, "")
     assert choose_fp16_rows("native", arch, "int8", timer=timer(1e-3)) == (0, "")
     assert not calls
+    monkeypatch.setattr(cpu_native, "linear_bf16_version", lambda library=None: "amx-bf16")
+    assert choose_fp16_rows("native", arch, timer=timer(1e-3)) == (0, "")
+    monkeypatch.setattr(cpu_native, "linear_bf16_version", lambda library=None: "avx512-bf16")
     monkeypatch.setattr(cpu_linear_tuning, "bf16_fp16_built", lambda: False)
     assert choose_fp16_rows("native", arch, timer=timer(1e-3)) == (0, "")
 
 
 def test_the_engine_turns_it_on_only_where_every_weight_is_in_range(model_dir, monkeypatch: pytest.MonkeyPatch
                                                                     ) -> None:
-    """Forced from 64 rows: on (where built) for SmolLM2, whose weights are far under the limit;
+    """Forced from 64 rows: on (where built, without AMX) for SmolLM2, whose weights are far under the limit;
     off, and said, for a model with a weight over it (the limit lowered here)."""
     config = EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, itl_target_ms=0.0,
                           cpu_linear="native", cpu_linear_fp16_rows=64)
@@ -191,7 +196,8 @@ def test_the_engine_turns_it_on_only_where_every_weight_is_in_range(model_dir, m
         pytest.skip("NOT RUN: our bfloat16 kernel does not build here")
     try:
         engine = Engine(config)
-        expected = 64 if bf16_fp16_built() else 0
+        # (an AMX build's tiles take these calls: there it stays off, as the FMAs do)
+        expected = 64 if bf16_fp16_built() and cpu_native.linear_bf16_version() not in cpu_native.AMX_VERSIONS else 0
         assert engine.runner.bf16_fp16_rows == expected and bf16_fp16_rows() == expected
         assert any(note.startswith("float16 matmuls") for note in engine.runner.startup_notes)
         monkeypatch.setattr(model_runner, "FP16_WEIGHT_MAX", 1e-3)

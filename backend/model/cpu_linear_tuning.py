@@ -436,11 +436,13 @@ def choose_fp16_rows(path: str, arch: ModelArchitecture, quantization: str = "no
     """From how many rows our bfloat16 kernel should run its float16 version (0: never), and a
     note for the log ('' where there is nothing to say). Timed, after ``choose_fma_rows`` has set
     the FMAs' threshold, where the projections run our kernel unquantized and the build has the
-    version (AVX512-FP16); it runs from the smallest timed row count from which it was
+    version (AVX512-FP16) and no AMX version (whose tiles take every call of 2 rows and more,
+    as for the FMAs); it runs from the smallest timed row count from which it was
     ``FP16_MARGIN`` faster at every timed count. Not set for the process here: the engine turns
     it on once it has seen the weights (``FP16_WEIGHT_MAX``). ``forced``
     (EngineConfig.cpu_linear_fp16_rows): that threshold, untimed."""
-    if path != "native" or quantization != "none" or not bf16_fp16_built():
+    if (path != "native" or quantization != "none" or cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS
+            or not bf16_fp16_built()):
         return 0, ""
     if forced is not None:
         rows = max(int(forced), 0)
