@@ -148,6 +148,7 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "linear_bf16_fma_rows": (_I64, []),
         "linear_bf16_use_fp16": (_I64, [_I64]),
         "linear_bf16_fp16_rows": (_I64, []),
+        "linear_bf16_fp16_built": (_INT, []),
         "linear_bf16_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
         "linear_bf16_logits": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
         "linear_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),

@@ -290,7 +290,7 @@ class EngineLoop:
                 record = self.engine.last_step
                 if record is not None and record.prediction_error is not None:
                     self.latency_samples.append(LatencySample("step_prediction_error", record.prediction_error))
-                if self.engine.config.step_trace_path:
+                if self._step_trace_on:
                     self._trace_step(started, time.monotonic() - started, self._gc_seconds - gc_before, usage_before)
             # The snapshot first: whoever sees an output (a final response, and a client that
             # then reads /metrics) finds its step already in the statistics.

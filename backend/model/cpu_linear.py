@@ -70,7 +70,7 @@ def use_bf16_fp16_rows(min_rows: int, library: ctypes.CDLL | None = None) -> int
     """From how many rows our bfloat16 kernel's calls run its float16 version (AVX512-FP16 builds;
     0: never), for this process; returns the threshold now in effect (0 where it is not built).
     The engine sets it once its weights are loaded (``ModelRunner``), from the start-up timing
-    (``backend.model.cpu_linear_tuning.choose_fma_rows``) where every weight is in range; it
+    (``backend.model.cpu_linear_tuning.choose_fp16_rows``) where every weight is in range; it
     comes before the float32 FMAs, and never serves ``linear_bf16_logits``."""
     library = cpu_native.load() if library is None else library
     return 0 if library is None else int(library.linear_bf16_use_fp16(max(int(min_rows), 0)))
@@ -85,12 +85,7 @@ def bf16_fp16_rows(library: ctypes.CDLL | None = None) -> int:
 def bf16_fp16_built(library: ctypes.CDLL | None = None) -> bool:
     """Our bfloat16 kernel's build has its float16 version (gcc targets AVX512-FP16)."""
     library = cpu_native.load() if library is None else library
-    if library is None:
-        return False
-    before = bf16_fp16_rows(library)
-    built = bool(use_bf16_fp16_rows(1, library))
-    use_bf16_fp16_rows(before, library)
-    return built
+    return library is not None and bool(library.linear_bf16_fp16_built())
 
 
 # The float16 version holds a packed weight's values in float16 and sums up to 32 products per

@@ -343,19 +343,23 @@ def time_fp16(shapes: list[tuple[int, int]], rows: tuple[int, ...] = FMA_CANDIDA
     return [Fp16Timing(r, off, on) for r, off, on in pairs], error
 
 
+# version -> (what sets its threshold for the process, what reads it back)
+VERSION_SWITCHES = {"fma": (use_bf16_fma_rows, bf16_fma_rows), "fp16": (use_bf16_fp16_rows, bf16_fp16_rows)}
+
+
 @lru_cache(maxsize=16)
 def _time_version(version: str, shapes: tuple[tuple[int, int], ...], rows: tuple[int, ...], rounds: int,
                   threads: int, library, fma_rows_now: int) -> tuple[list[tuple[int, float, float]], float]:
     """(rows, ms without, ms with) per row count, and the error with, for ``version`` ``fma`` or
     ``fp16``; ``fma_rows_now`` keys the cache (the float16 timing's baseline depends on it)."""
-    switch = use_bf16_fma_rows if version == "fma" else use_bf16_fp16_rows
+    switch, threshold_now = VERSION_SWITCHES[version]
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.02).bfloat16() for k, n in shapes]
     packed = [pack_pairs(w) for w in weights]
     inputs = {r: {k: torch.randn(r, k, generator=generator).bfloat16() for k, _ in shapes}
               for r in (*rows, FMA_CHECK_ROWS)}
 
-    before = (bf16_fma_rows if version == "fma" else bf16_fp16_rows)(library)
+    before = threshold_now(library)
     # Each projection keeps its best round (short timed units: a shared machine disturbs fewer).
     best = {(r, on): [float("inf")] * len(shapes) for r in rows for on in (False, True)}
     try:
@@ -415,19 +419,8 @@ def choose_fma_rows(path: str, arch: ModelArchitecture, quantization: str = "non
     if (path != "native" or quantization != "none" or not features.avx512
             or cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS or not bf16_fma_built()):
         return 0, ""
-    if forced is not None:
-        rows = max(int(forced), 0)
-        return rows, f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} (cpu_linear_fma_rows)"
-    timings, error = timer(fma_shapes(arch))
-    if not error <= TOLERANCE[torch.bfloat16]:
-        logger.warning("cpu_linear: the bfloat16 kernel's float32-FMA version computes wrong results on this CPU "
-                       "(max relative error %.3g against F.linear, tolerance %.3g): not used", error,
-                       TOLERANCE[torch.bfloat16])
-        return 0, f"bf16 matmuls: float32 FMAs never (wrong results here: error {error:.3g})"
-    rows = fma_threshold(timings)
-    figures = ", ".join(t.describe() for t in timings)
-    return rows, (f"bf16 matmuls: float32 FMAs {f'from {rows} rows' if rows else 'never'} (a layer, dot "
-                  f"products/FMAs: {figures})")
+    return _forced_or_timed("bf16 matmuls: float32 FMAs", "float32-FMA", "cpu_linear_fma_rows",
+                            "dot products/FMAs", arch, timer, fma_threshold, forced)
 
 
 def choose_fp16_rows(path: str, arch: ModelArchitecture, quantization: str = "none",
@@ -444,16 +437,26 @@ def choose_fp16_rows(path: str, arch: ModelArchitecture, quantization: str = "no
     if (path != "native" or quantization != "none" or cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS
             or not bf16_fp16_built()):
         return 0, ""
+    return _forced_or_timed("float16 matmuls", "float16", "cpu_linear_fp16_rows", "without/with", arch, timer,
+                            fp16_threshold, forced)
+
+
+def _forced_or_timed(name: str, version: str, setting: str, columns: str, arch: ModelArchitecture,
+                     timer: Callable[..., tuple[list, float]], threshold: Callable[[list], int],
+                     forced: int | None) -> tuple[int, str]:
+    """What ``choose_fma_rows`` and ``choose_fp16_rows`` share once the version may run: the
+    ``forced`` threshold (the engine parameter ``setting``), or the ``threshold`` of ``timer``'s
+    timings of the first layer, never where the version's results were wrong; with the note
+    (``name`` leads it, ``columns`` heads the figures)."""
     if forced is not None:
         rows = max(int(forced), 0)
-        return rows, f"float16 matmuls {f'from {rows} rows' if rows else 'never'} (cpu_linear_fp16_rows)"
+        return rows, f"{name} {f'from {rows} rows' if rows else 'never'} ({setting})"
     timings, error = timer(fma_shapes(arch))
     if not error <= TOLERANCE[torch.bfloat16]:
-        logger.warning("cpu_linear: the bfloat16 kernel's float16 version computes wrong results on this CPU "
-                       "(max relative error %.3g against F.linear, tolerance %.3g): not used", error,
+        logger.warning("cpu_linear: the bfloat16 kernel's %s version computes wrong results on this CPU "
+                       "(max relative error %.3g against F.linear, tolerance %.3g): not used", version, error,
                        TOLERANCE[torch.bfloat16])
-        return 0, f"float16 matmuls never (wrong results here: error {error:.3g})"
-    rows = fp16_threshold(timings)
+        return 0, f"{name} never (wrong results here: error {error:.3g})"
+    rows = threshold(timings)
     figures = ", ".join(t.describe() for t in timings)
-    return rows, (f"float16 matmuls {f'from {rows} rows' if rows else 'never'} (a layer, without/with: "
-                  f"{figures})")
+    return rows, f"{name} {f'from {rows} rows' if rows else 'never'} (a layer, {columns}: {figures})"

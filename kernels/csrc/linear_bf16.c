@@ -839,6 +839,15 @@ int64_t linear_bf16_use_fp16(int64_t min_rows) {
 /* The threshold now in effect (what the last linear_bf16_use_fp16 left). */
 int64_t linear_bf16_fp16_rows(void) { return fp16_min_rows; }
 
+/* Whether this build has the float16 version (AVX512-FP16). */
+int linear_bf16_fp16_built(void) {
+#ifdef FP16_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* AMX (Intel Sapphire Rapids and later), for 2 rows and more. Why: on a CPU with AMX the
  * AVX512_BF16 version above is bound by its dot products at 16 rows (SmolLM2's 121 matmuls took
  * far longer than at one row, which runs at the memory's pace; docs/benchmarks.md, "Served
