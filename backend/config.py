@@ -16,6 +16,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch", "measure")
 # The kernel for prompts' attention on CPU (backend/model/prefill_attention_choice.py resolves "auto").
 CPU_PREFILL_ATTENTION_CHOICES = ("auto", "native", "sdpa", "measure")
+# cpu_prefill_bf16_kernel: timed at start-up, or one of our bfloat16 prefill functions
+# (kernels/cpu_native.PREFILL_BF16_KERNELS names the same three).
+CPU_PREFILL_BF16_KERNEL_CHOICES = ("auto", "dp", "fma", "fp16")
 
 
 # Where KV-cache events may go (kv_events_endpoint, kv_events_replay_endpoint).
@@ -89,9 +92,10 @@ class EngineConfig:
                                                # then float32); None: timed at start-up, on where 10% faster
                                                # and every weight under 1024; 0: never
                                                # (backend/model/cpu_linear_tuning.choose_fp16_rows)
-    cpu_prefill_bf16_kernel: Literal["auto", "dp", "fma"] = "auto"  # CPU bfloat16 prompt attention, ours:
-                                               # the build's own function (dp) or the float32-FMA one (fma,
-                                               # AVX-512F); auto: timed at start-up
+    cpu_prefill_bf16_kernel: Literal["auto", "dp", "fma", "fp16"] = "auto"  # CPU bfloat16 prompt attention,
+                                               # ours: the build's own function (dp), the float32-FMA one
+                                               # (fma, AVX-512F) or the float16 one (fp16, AVX512-FP16);
+                                               # auto: timed at start-up
                                                # (backend/model/prefill_attention_choice.py)
     fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
@@ -192,7 +196,8 @@ class EngineConfig:
         check(self.cpu_linear_fma_rows is None or self.cpu_linear_fma_rows >= 0, "cpu_linear_fma_rows must be >= 0")
         check(self.cpu_linear_fp16_rows is None or self.cpu_linear_fp16_rows >= 0,
               "cpu_linear_fp16_rows must be >= 0")
-        check(self.cpu_prefill_bf16_kernel in ("auto", "dp", "fma"), "cpu_prefill_bf16_kernel must be auto, dp or fma")
+        check(self.cpu_prefill_bf16_kernel in CPU_PREFILL_BF16_KERNEL_CHOICES,
+              f"cpu_prefill_bf16_kernel must be one of {CPU_PREFILL_BF16_KERNEL_CHOICES}")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")

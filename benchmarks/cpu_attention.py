@@ -20,16 +20,17 @@ machines are shared; the best round counts), and their outputs are compared.
   prompt with K and V contiguous, as a fresh prompt's are before they reach the cache: whether
   torch's CPU flash attention (oneDNN's kernels, AMX where the CPU has it) would serve prompts
   faster than ours. Its output is compared with ours.
-  ``--fma`` also times, for bfloat16, the engine build with its float32-FMA prefill function
-  switched on (``engine+fma``) against the build's own (the AVX512_BF16 dot products where
-  built: ``dp``), round by round in one run, as the engine's start-up timing chooses between them;
-  with ``--against REV`` the revision's float32-FMA function too (``REV+fma``).
+  ``--fma`` also times, for bfloat16, the engine build with each other prefill function it has
+  selected (``engine+fma``: float32 FMAs, AVX-512F; ``engine+fp16``: float16 FMAs, AVX512-FP16)
+  against the build's own (the AVX512_BF16 dot products where built: ``dp``), round by round in
+  one run, as the engine's start-up timing chooses among them; with ``--against REV`` the
+  revision's too (``REV+fma``, ``REV+fp16``).
 
     python -m benchmarks.cpu_attention                      # SmolLM2-135M's shape (9 heads, 3 KV heads, 64)
     python -m benchmarks.cpu_attention --block-order consecutive   # a fresh server's cache layout
     python -m benchmarks.cpu_attention --context 128 --against HEAD~1  # this tree's kernels against a commit's
     python -m benchmarks.cpu_attention --sdpa --layers 1 --rounds 5    # prefill: ours against torch's SDPA
-    python -m benchmarks.cpu_attention --dtypes bfloat16 --fma --no-decode --depth 3072   # dp against fma
+    python -m benchmarks.cpu_attention --dtypes bfloat16 --fma --no-decode --depth 3072   # dp, fma, fp16
     python -m benchmarks.cpu_attention --dtypes bfloat16 --fma --no-decode --against HEAD  # both FMA functions
 """
 
@@ -87,6 +88,17 @@ def _without_window_and_sinks(library: ctypes.CDLL) -> None:
         setattr(library, name, lambda *args, function=function: function(*args[:-3], args[-1]))
 
 
+def select_prefill(library: ctypes.CDLL, kernel: str) -> str:
+    """cpu_native.select_prefill_bf16_kernel, also for a revision from before it (which had only
+    the float32-FMA function's on/off switch)."""
+    try:
+        return cpu_native.select_prefill_bf16_kernel(kernel, library)
+    except AttributeError:
+        if kernel == "fp16":
+            return "dp"
+        return "fma" if library.prefill_attention_bf16_use_fma(int(kernel == "fma")) else "dp"
+
+
 def paged_cache(tokens_per_seq: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                 generator: torch.Generator, shuffled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(key_cache, value_cache, block_tables); ``shuffled``: each sequence's blocks scattered over
@@ -125,9 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                                                          "instead of the generic build")
     parser.add_argument("--sdpa", action="store_true", help="also time torch's scaled_dot_product_attention "
                                                              "on the prefill")
-    parser.add_argument("--fma", action="store_true", help="bfloat16 prefill: also time the engine build with its "
-                                                            "float32-FMA function switched on (the start-up may "
-                                                            "choose it), against the build's own (dp) in one run")
+    parser.add_argument("--fma", action="store_true", help="bfloat16 prefill: also time the engine build with each "
+                                                            "other function it has selected (fma, fp16: the start-up "
+                                                            "may choose one), against the build's own (dp) in one run")
     parser.add_argument("--no-decode", action="store_true", help="time the prefill only")
     args = parser.parse_args(argv)
     extra = tuple(args.cflags.split())
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, seq_lens = torch.arange(args.seqs), torch.tensor(lens)
         outs = {name: torch.empty_like(query) for name in libraries}
         engine_fma = args.fma and dtype == torch.bfloat16
-        cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
+        select_prefill(libraries["engine"], "dp")
 
         def decode(name: str) -> Callable[[], None]:
             def run() -> None:
@@ -181,38 +193,38 @@ def main(argv: list[str] | None = None) -> None:
         starts, query_lens, seq_lens = torch.tensor([0]), torch.tensor([args.prompt]), torch.tensor([total])
         outs = {name: torch.empty_like(query) for name in libraries}
 
-        def prefill(name: str, fma: bool = False) -> Callable[[], None]:
+        def prefill(name: str, kernel: str = "dp") -> Callable[[], None]:
             library = libraries[name]
 
             def run() -> None:
-                if engine_fma:     # the switch is the library's, process-wide: set before each call
-                    cpu_native.use_prefill_bf16_fma(fma, library)
-                cpu_native.paged_prefill_attention(query, outs[f"{name}+fma" if fma else name], starts, query_lens,
-                                                   seq_lens, tables, key_cache, value_cache, scale, library=library)
+                if engine_fma:     # the selection is the library's, process-wide: made before each call
+                    select_prefill(library, kernel)
+                cpu_native.paged_prefill_attention(query, outs[name if kernel == "dp" else f"{name}+{kernel}"], starts,
+                                                   query_lens, seq_lens, tables, key_cache, value_cache, scale,
+                                                   library=library)
             return run
         runs = {name: prefill(name) for name in libraries}
         if engine_fma:
-            if cpu_native.use_prefill_bf16_fma(True, libraries["engine"]):
-                outs["engine+fma"] = torch.empty_like(query)
-                runs["engine+fma"] = prefill("engine", fma=True)
-                if args.against and cpu_native.use_prefill_bf16_fma(True, libraries[other]):
-                    outs[f"{other}+fma"] = torch.empty_like(query)      # the revision's FMA function too
-                    runs[f"{other}+fma"] = prefill(other, fma=True)
-                    cpu_native.use_prefill_bf16_fma(False, libraries[other])
-            else:
-                print("(no float32-FMA bfloat16 prefill in this build: it needs AVX-512F)")
-            cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
+            for kernel in cpu_native.PREFILL_BF16_KERNELS[1:]:
+                names = ["engine"] + ([other] if args.against else [])     # the revision's function too
+                for name in names:
+                    if select_prefill(libraries[name], kernel) == kernel:
+                        outs[f"{name}+{kernel}"] = torch.empty_like(query)
+                        runs[f"{name}+{kernel}"] = prefill(name, kernel)
+                    elif name == "engine":
+                        print(f"(no {kernel} bfloat16 prefill in this build: fma needs AVX-512F, fp16 AVX512-FP16)")
+                    select_prefill(libraries[name], "dp")
         if args.sdpa and args.depth == 0:
             runs["sdpa"] = sdpa_prefill(query, key_cache, value_cache, tables[0], args.block_size, scale, outs)
         best = best_of(args.rounds, runs)
-        cpu_native.use_prefill_bf16_fma(False, libraries["engine"])
+        select_prefill(libraries["engine"], "dp")
         flops = 2 * 2 * args.heads * args.head_dim * (args.prompt * args.depth + args.prompt * (args.prompt + 1) / 2)
         for name in runs:
             if name == "engine":
                 continue
             diff = (outs["engine"].float() - outs[name].float()).abs().max().item()
             function = ("torch SDPA (contiguous K, V)" if name == "sdpa"
-                        else f"{path} against avx512-fma (FMA switched on)" if name.endswith("+fma") else path)
+                        else f"{path} against avx512-{name.split('+')[1]} (selected)" if "+" in name else path)
             print(f"| {dtype} | prefill {args.prompt} tokens at depth {args.depth} | {function} | {best['engine'] * 1e3:.2f} | "
                   f"{best[name] * 1e3:.2f} ({name}) | {flops / best['engine'] / 1e9:.0f} GFLOP/s | "
                   f"{flops / best[name] / 1e9:.0f} GFLOP/s | {best[name] / best['engine']:.2f}x | {diff:.1e} |")

@@ -19,8 +19,9 @@ layer reuses them:
 - Sequences with several new tokens (prefill chunks, fresh prompts) go to the C prefill
   kernel (float32 or bfloat16 pages, flash-attention style, causal blocks skipped; all of a
   step's prefills in one call). For bfloat16 it runs the build's own function or, where the
-  start-up timing found it faster (backend/model/prefill_attention_choice.py), the float32-FMA one
-  (``cpu_native.use_prefill_bf16_fma``: a process-wide switch). Without it, each runs one SDPA call over its gathered
+  start-up timing found one faster (backend/model/prefill_attention_choice.py), the float32-FMA
+  or the float16 one (``cpu_native.select_prefill_bf16_kernel``: process-wide). Without the C
+  kernel, each runs one SDPA call over its gathered
   float32 context with the causal mask aligned to the end of the cached context.
 - Prefills of at least ``sdpa_min_tokens`` new tokens may instead go to torch's SDPA in the
   cache's own dtype, one call each (chosen at start-up by

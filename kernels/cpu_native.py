@@ -162,7 +162,9 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "decode_attention_bf16_dot_product": (_INT, []),
         "attention_soft_cap": (None, [_P, _I64, _F]),     # the scores' soft cap alone, for tests
         "prefill_attention_bf16_fma_built": (_INT, []),
-        "prefill_attention_bf16_use_fma": (_INT, [_INT]),
+        "prefill_attention_bf16_fp16_built": (_INT, []),
+        "prefill_attention_bf16_select": (_INT, [_INT]),
+        "prefill_attention_bf16_selected": (_INT, []),
         "prefill_attention_bf16_path": (_INT, [_I64]),
     }
     for suffix in LAYER_OPS_SUFFIXES.values():
@@ -232,25 +234,39 @@ def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed:
 ATTENTION_PATHS = {0: "generic", 1: "avx2", 2: "avx512-bf16"}
 
 
-# prefill_attention_bf16_path()'s answer beyond ATTENTION_PATHS: the float32-FMA bfloat16 prefill.
-PREFILL_BF16_PATHS = {**ATTENTION_PATHS, 3: "avx512-fma"}
+# prefill_attention_bf16_path()'s answer beyond ATTENTION_PATHS: the float32-FMA and float16
+# bfloat16 prefills.
+PREFILL_BF16_PATHS = {**ATTENTION_PATHS, 3: "avx512-fma", 4: "avx512-fp16"}
+
+# Our bfloat16 prefill functions, as prefill_attention_bf16_select numbers them: the build's own
+# (attention_path's), the float32-FMA one (AVX-512F builds), the float16 one (AVX512-FP16 builds).
+PREFILL_BF16_KERNELS = ("dp", "fma", "fp16")
 
 
 def prefill_bf16_path(head_dim: int, library: ctypes.CDLL | None = None) -> str:
-    """Which function a build's bfloat16 prefill runs now at this head size: ``avx512-fma`` (the
-    float32-FMA one, where ``use_prefill_bf16_fma`` turned it on and the size fits) or
+    """Which function a build's bfloat16 prefill runs now at this head size: ``avx512-fma`` or
+    ``avx512-fp16`` (where ``select_prefill_bf16_kernel`` selected it and the size fits) or
     ``attention_path``'s answer."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"
     return PREFILL_BF16_PATHS[library.prefill_attention_bf16_path(head_dim)]
 
 
-def use_prefill_bf16_fma(on: bool, library: ctypes.CDLL | None = None) -> bool:
-    """Turn the float32-FMA bfloat16 prefill on or off for this process (off until asked;
-    backend/model/prefill_attention_choice.py times it at start-up); whether it is now on
-    (never where the build has no AVX-512F)."""
+def select_prefill_bf16_kernel(kernel: str, library: ctypes.CDLL | None = None) -> str:
+    """Select which of ``PREFILL_BF16_KERNELS`` this process's bfloat16 prefills run (``dp``, the
+    build's own, until asked; backend/model/prefill_attention_choice.py times them at start-up);
+    the one now selected (``dp`` where the build lacks the one asked for, or without a library)."""
     library = load() if library is None else library
-    return library is not None and bool(library.prefill_attention_bf16_use_fma(int(on)))
+    if library is None:
+        return "dp"
+    return PREFILL_BF16_KERNELS[library.prefill_attention_bf16_select(PREFILL_BF16_KERNELS.index(kernel))]
+
+
+def selected_prefill_bf16_kernel(library: ctypes.CDLL | None = None) -> str:
+    """Which of ``PREFILL_BF16_KERNELS`` this process's bfloat16 prefills run now (``dp`` without a
+    library)."""
+    library = load() if library is None else library
+    return "dp" if library is None else PREFILL_BF16_KERNELS[library.prefill_attention_bf16_selected()]
 
 
 def attention_path(dtype: torch.dtype, head_dim: int, library: ctypes.CDLL | None = None) -> str:

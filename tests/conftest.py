@@ -193,6 +193,20 @@ def fp16_matmuls_off():
     use_bf16_fp16_rows(before)
 
 
+@pytest.fixture
+def prefill_bf16_own():
+    """The build's own bfloat16 prefill function for the test (the selection restored after). The
+    selection is process-wide, a bfloat16 engine started earlier in this worker may have left the
+    float16 one selected (the start-up timing selects it where it wins), and the kernel tests that
+    call the library directly hold the build's own functions to their own, tighter, error bounds."""
+    from kernels import cpu_native
+
+    before = cpu_native.selected_prefill_bf16_kernel()
+    cpu_native.select_prefill_bf16_kernel("dp")
+    yield
+    cpu_native.select_prefill_bf16_kernel(before)
+
+
 # For an engine or server test that is not about prefill chunk sizes: a fixed token budget
 # instead of chunks sized to the ITL target, so that its configuration is not calibrated at
 # start-up (8-15 s on the 2-core AVX2 EPYC, Zen 3, for each configuration first seen in a run).

@@ -31,6 +31,8 @@ from tests.paged_batches import PagedBatch, make_batch, shape_id
 from tests.test_cpu_attention import (CPU_TOLERANCES, KERNEL_VERSIONS, expected_attention_path, plan_for,
                                       poison_before_windows, random_sinks, refuse, step_of)
 
+pytestmark = pytest.mark.usefixtures("prefill_bf16_own")   # see tests/conftest.py
+
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 # float32 within 1e-5 of the reference (the cap's vector tanh is within a few ulp of torch's);

@@ -16,6 +16,7 @@ import torch
 from backend import Engine, EngineConfig, SamplingParams
 from backend.model.cpu_linear import use_bf16_fp16_rows
 from benchmarks.precision_agreement import prefix_share
+from kernels import cpu_native
 from tests.conftest import hf_greedy, hf_greedy_shared
 from tests.test_hf_equality import MAX_NEW_TOKENS, mixed_prompts  # noqa: F401 - the fixture, reused
 
@@ -48,9 +49,12 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
 # "sdpa": fresh prompts through torch's SDPA, which rounds the softmax probabilities to bfloat16
 # (what auto may pick on AVX-512 CPUs); "fp16-matmuls": the linear kernel's float16 version from
 # 64 rows (where the build has it: AVX512-FP16), which sums in float16, whatever the timing says;
-# "fp16-matmuls=never": without it. All held to the same floors.
+# "fp16-matmuls=never": without it; "fp16-attention": prompts through the float16 prefill function
+# (where built: AVX512-FP16; float16 products and sums of 16 and 32), "fma-attention": through the
+# float32-FMA one, whatever the timing says. All held to the same floors.
 OPTIONS = {"prefill_attention=auto": {}, "prefill_attention=sdpa": {"cpu_prefill_attention": "sdpa"},
-           "fp16-matmuls": {"cpu_linear_fp16_rows": 64}, "fp16-matmuls=never": {"cpu_linear_fp16_rows": 0}}
+           "fp16-matmuls": {"cpu_linear_fp16_rows": 64}, "fp16-matmuls=never": {"cpu_linear_fp16_rows": 0},
+           "fp16-attention": {"cpu_prefill_bf16_kernel": "fp16"}, "fma-attention": {"cpu_prefill_bf16_kernel": "fma"}}
 
 
 @pytest.fixture(scope="module", params=list(OPTIONS))
@@ -60,11 +64,13 @@ def bf16_outputs(request, model_dir: Path, prompts: list[list[int]]) -> list[lis
                                  max_num_batched_tokens=256, itl_target_ms=0.0, **OPTIONS[request.param]))
     print(f"bfloat16 engine: linear layers {engine.runner.cpu_linear} (cpu_linear=auto on this CPU), "
           f"prompt attention {engine.runner.prefill_attention.path.value}")
-    print(f"float16 matmuls from {engine.runner.bf16_fp16_rows or 'never'} rows")
+    print(f"float16 matmuls from {engine.runner.bf16_fp16_rows or 'never'} rows; bfloat16 prefill function "
+          f"{cpu_native.selected_prefill_bf16_kernel()}")
     try:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     finally:
         use_bf16_fp16_rows(0)    # process-wide: kernel tests later in this worker call the library directly
+        cpu_native.select_prefill_bf16_kernel("dp")
     return [o.token_ids for o in outputs]
 
 

@@ -30,6 +30,8 @@ from kernels.attention_backend import CpuAttention, PackedStep
 from kernels.reference import paged_attention_reference, reshape_and_cache_reference
 from tests.paged_batches import SCENARIOS, SHAPES, TOLERANCES, PagedBatch, make_batch, scenario_specs, shape_id
 
+pytestmark = pytest.mark.usefixtures("prefill_bf16_own")   # see tests/conftest.py
+
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 # Every CPU path computes in float32 and rounds to bfloat16 once, at the end, as the

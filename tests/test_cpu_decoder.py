@@ -22,7 +22,7 @@ from backend.model.cpu_linear import (Int8Linear, TorchLinear, native_kernel_ava
 from backend.model.llama import AttentionMetadata, CausalLM
 from kernels import EVERY_PREFILL, cpu_attention
 
-pytestmark = pytest.mark.usefixtures("fp16_matmuls_off")   # see tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fp16_matmuls_off", "prefill_bf16_own")   # see tests/conftest.py
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 

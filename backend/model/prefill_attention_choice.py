@@ -25,16 +25,21 @@ attends its gathered context with a mask.
 
 **Which of our bfloat16 prefill functions** (``choose_bf16_prefill_kernel``), before the above
 (whose timing of ours then runs the one chosen): the build's own (``dp``: AVX512_BF16 dot
-products where the compiler targets them, else the AVX2 one) or the float32-FMA one (``fma``:
-K and V widened to float32 once per key block, 512-bit FMAs; built wherever AVX-512F is). Where
-``vdpbf16ps`` runs at half the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is the
-faster; on CPUs with full-rate dot products the first may be. So it is timed here, never read off
-the CPU's name: one prefill (``BF16_TILE``: new tokens over cached context) at the model's head
-shape, each function's best of ``BF16_ROUNDS`` alternating calls, after both are checked against the
-reference; ``fma`` only where it wins by ``FMA_MARGIN``. Without AVX-512F, or at head sizes
-the FMA function does not serve, the build's own runs, untimed. ``cpu_prefill_bf16_kernel``
-(EngineConfig: ``auto``, ``dp``, ``fma``) forces it. The switch is process-wide (the C decoder's prefills take
-it too); the start-up log names the function and the timings.
+products where the compiler targets them, else the AVX2 one), the float32-FMA one (``fma``: K
+and V widened to float32 once per key block, 512-bit FMAs; built wherever AVX-512F is) or the
+float16 one (``fp16``: K, V and the queries narrowed to float16 by powers of 2, float16 FMAs,
+sums in float32 after 32 products; built wherever AVX512-FP16 is). Where ``vdpbf16ps`` runs at
+half the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is faster than the first,
+and where a float16 FMA does twice a float32 one's products at the same rate the third is faster
+still; on CPUs with full-rate dot products the first may win. So it is timed here, never read
+off the CPU's name: one prefill (``BF16_TILE``: new tokens over cached context) at the model's
+head shape, each function's best of ``BF16_ROUNDS`` alternating calls, after each is checked
+against the reference; the fastest runs, another than the build's own only where it beats the
+build's own by ``FMA_MARGIN``. Functions the build lacks, or that do not serve the model's head
+size, are not timed; where neither other one serves, the build's own runs, untimed.
+``cpu_prefill_bf16_kernel`` (EngineConfig: ``auto``, ``dp``, ``fma``, ``fp16``) forces it. The
+choice is process-wide (the C decoder's prefills take it too); the start-up log names the
+function and the timings.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from backend.config import CPU_PREFILL_ATTENTION_CHOICES
+from backend.config import CPU_PREFILL_ATTENTION_CHOICES, CPU_PREFILL_BF16_KERNEL_CHOICES
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear_tuning import relative_error
@@ -69,19 +74,21 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -5}
 
 Timings = dict[tuple[int, int], dict[PrefillAttention, float]]   # (new tokens, context) -> path -> best ms
 
-# The bfloat16 prefill functions of ours (choose_bf16_prefill_kernel): the build's own, the float32-FMA one.
-BF16_KERNELS = ("dp", "fma")
+# The bfloat16 prefill functions of ours (choose_bf16_prefill_kernel): the build's own, the
+# float32-FMA one, the float16 one.
+BF16_KERNELS = cpu_native.PREFILL_BF16_KERNELS
 BF16_TILE = (256, 768)         # (new tokens, cached context) of the timed prefill: a chunk of a long prompt
-# fma must be this much faster (ties keep the build's own, which the engine ran before).
+# fma or fp16 must be this much faster than the build's own (ties keep the build's own, which the
+# engine ran before).
 FMA_MARGIN = 1.03
 
 
 @dataclass(frozen=True)
 class Bf16PrefillKernel:
     """Which function our bfloat16 prefills run (``cpu_native.prefill_bf16_path``'s name), and why."""
-    kernel: str                                           # e.g. "avx512-fma", "avx512-bf16", "avx2"
+    kernel: str                                           # e.g. "avx512-fp16", "avx512-fma", "avx512-bf16"
     why: str
-    timings_ms: dict[str, float] = field(default_factory=dict)   # "dp" / "fma" -> best ms; empty unless timed
+    timings_ms: dict[str, float] = field(default_factory=dict)   # BF16_KERNELS -> best ms; empty unless timed
 
     def describe(self) -> str:
         return f"bfloat16 prompts in our {self.kernel} function ({self.why})"
@@ -161,12 +168,13 @@ def time_prefill_attention(arch: ModelArchitecture, dtype: torch.dtype, block_si
 
 
 def time_bf16_prefill_kernels(arch: ModelArchitecture, block_size: int, rounds: int = BF16_ROUNDS,
-                              tile: tuple[int, int] = BF16_TILE) -> tuple[dict[str, float], dict[str, float]]:
-    """Our bfloat16 prefill functions (``BF16_KERNELS``) on one prefill of ``tile`` (new tokens,
-    cached context) at the model's head shape, in shuffled blocks, on the engine's threads: each
-    one's best ms of ``rounds`` alternating calls (after a first untimed one), for those whose
-    output passes the check against the reference; and every one's relative error. Leaves the
-    FMA function switched off."""
+                              tile: tuple[int, int] = BF16_TILE, kernels: tuple[str, ...] = BF16_KERNELS,
+                              ) -> tuple[dict[str, float], dict[str, float]]:
+    """Our bfloat16 prefill functions ``kernels`` on one prefill of ``tile`` (new tokens, cached
+    context) at the model's head shape, in shuffled blocks, on the engine's threads: each one's
+    best ms of ``rounds`` alternating calls (after a first untimed one), for those whose output
+    passes the check against the reference; and every one's relative error. Leaves the build's
+    own selected."""
     length, context = tile
     tokens = length + context
     generator = torch.Generator().manual_seed(0)
@@ -183,7 +191,7 @@ def time_bf16_prefill_kernels(arch: ModelArchitecture, block_size: int, rounds: 
     out = torch.empty_like(query)
 
     def run(kernel: str) -> float:
-        cpu_native.use_prefill_bf16_fma(kernel == "fma")
+        cpu_native.select_prefill_bf16_kernel(kernel)
         start = time.perf_counter()
         cpu_native.paged_prefill_attention(query, out, starts, query_lens, seq_lens, table, key_cache, value_cache,
                                            scale)
@@ -191,48 +199,67 @@ def time_bf16_prefill_kernels(arch: ModelArchitecture, block_size: int, rounds: 
 
     errors: dict[str, float] = {}
     try:
-        for kernel in BF16_KERNELS:
+        for kernel in kernels:
             run(kernel)
             errors[kernel] = relative_error(out, reference)
-        candidates = [kernel for kernel in BF16_KERNELS if errors[kernel] <= TOLERANCE[torch.bfloat16]]
+        candidates = [kernel for kernel in kernels if errors[kernel] <= TOLERANCE[torch.bfloat16]]
         best = {kernel: float("inf") for kernel in candidates}
         for _ in range(rounds):
             for kernel in candidates:
                 best[kernel] = min(best[kernel], run(kernel))
     finally:
-        cpu_native.use_prefill_bf16_fma(False)
+        cpu_native.select_prefill_bf16_kernel("dp")
     return best, errors
+
+
+def kernels_serving(head_dim: int) -> tuple[str, ...]:
+    """Our bfloat16 prefill functions that run here at this head size: the build's own, and each
+    other one the build has and that serves the size. Leaves the build's own selected."""
+    serving = ["dp"]
+    for kernel in BF16_KERNELS[1:]:
+        if (cpu_native.select_prefill_bf16_kernel(kernel) == kernel
+                and cpu_native.prefill_bf16_path(head_dim) == f"avx512-{kernel}"):
+            serving.append(kernel)
+    cpu_native.select_prefill_bf16_kernel("dp")
+    return tuple(serving)
+
+
+def fastest_bf16_kernel(timings: dict[str, float]) -> str:
+    """The fastest timed function; another than the build's own only where it beats the build's
+    own by ``FMA_MARGIN`` (the build's own where it was left out: any faster one)."""
+    own = timings.get("dp", float("inf"))
+    eligible = {kernel: ms for kernel, ms in timings.items() if kernel == "dp" or ms * FMA_MARGIN < own}
+    return min(eligible, key=eligible.get) if eligible else "dp"
 
 
 def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice: str = "auto",
                                timer: Callable[..., tuple[dict[str, float], dict[str, float]]]
                                = time_bf16_prefill_kernels) -> Bf16PrefillKernel:
-    """Which of our bfloat16 prefill functions runs in this process, chosen and switched on here
+    """Which of our bfloat16 prefill functions runs in this process, chosen and selected here
     (the module's docstring says how). ``choice`` (EngineConfig.cpu_prefill_bf16_kernel):
-    ``auto``, ``dp`` or ``fma``; ``timer``: tests fake the clock."""
-    if choice not in ("auto", *BF16_KERNELS):
-        raise ValueError(f"cpu_prefill_bf16_kernel must be auto, dp or fma, got {choice!r}")
+    ``auto`` or one of ``BF16_KERNELS``; ``timer``: tests fake the clock."""
+    if choice not in CPU_PREFILL_BF16_KERNEL_CHOICES:
+        raise ValueError(f"cpu_prefill_bf16_kernel must be one of {CPU_PREFILL_BF16_KERNEL_CHOICES}, got {choice!r}")
     head_dim = arch.head_dim
-    # Whether the FMA function serves this model here: built (AVX-512F) and fits the head size.
-    fits = cpu_native.use_prefill_bf16_fma(True) and cpu_native.prefill_bf16_path(head_dim) == "avx512-fma"
-    cpu_native.use_prefill_bf16_fma(False)
+    serving = kernels_serving(head_dim)
     own = cpu_native.prefill_bf16_path(head_dim)
-    if not fits:
-        reason = (f"the float32-FMA function does not serve head_dim {head_dim}"
-                  if cpu_native.load().prefill_attention_bf16_fma_built() else "no AVX-512F: no float32-FMA function")
-        return Bf16PrefillKernel(own, f"the build's own, untimed: {reason}")
     if choice != "auto":
-        on = cpu_native.use_prefill_bf16_fma(choice == "fma")
-        return Bf16PrefillKernel(cpu_native.prefill_bf16_path(head_dim),
-                                 f"cpu_prefill_bf16_kernel={choice}" + ("" if on == (choice == "fma") else ": not built"))
-    timings, errors = timer(arch, block_size)
+        selected = cpu_native.select_prefill_bf16_kernel(choice if choice in serving else "dp")
+        return Bf16PrefillKernel(cpu_native.prefill_bf16_path(head_dim), f"cpu_prefill_bf16_kernel={choice}"
+                                 + ("" if selected == choice else ": not served here, the build's own runs"))
+    if len(serving) == 1:
+        library = cpu_native.load()
+        built = [kernel for kernel, has in (("fma", library.prefill_attention_bf16_fma_built()),
+                                            ("fp16", library.prefill_attention_bf16_fp16_built())) if has]
+        reason = (f"neither the float32-FMA nor the float16 function serves head_dim {head_dim}" if built
+                  else "no AVX-512F: no float32-FMA or float16 function")
+        return Bf16PrefillKernel(own, f"the build's own, untimed: {reason}")
+    timings, errors = timer(arch, block_size, kernels=serving)
     for kernel, error in errors.items():
         if error > TOLERANCE[torch.bfloat16]:
             logger.warning("bfloat16 prefill: our %s function computes wrong results on this CPU (max relative "
                            "error %.3g against the reference): not used", kernel, error)
-    dp, fma = timings.get("dp", float("inf")), timings.get("fma", float("inf"))
-    use_fma = fma < float("inf") and fma * FMA_MARGIN < dp
-    cpu_native.use_prefill_bf16_fma(use_fma)
+    cpu_native.select_prefill_bf16_kernel(fastest_bf16_kernel(timings))
     length, context = BF16_TILE
     figures = ", ".join(f"{kernel} {ms:.2f}" for kernel, ms in timings.items())
     return Bf16PrefillKernel(cpu_native.prefill_bf16_path(head_dim),

@@ -968,8 +968,9 @@ int paged_decode_attention_softcap_bf16(const bf16_t *query, bf16_t *out, const 
  * (builds without AVX2 + FMA, and odd head sizes); AVX2 + FMA builds take prefill_task_lanes
  * and AVX512_BF16 builds prefill_task_dp for bfloat16 (below); attention_path() says which one a
  * build runs. AVX-512F builds also have prefill_task_fma for bfloat16 (float32 FMAs on K and V
- * widened once per key block), which runs instead only where the process switched it on
- * (prefill_attention_bf16_use_fma: the engine's start-up timing); prefill_attention_bf16_path()
+ * widened once per key block), AVX512-FP16 builds prefill_task_fp16 (float16 FMAs on K and V
+ * narrowed once per key block), which run instead only where the process selected one
+ * (prefill_attention_bf16_select: the engine's start-up timing); prefill_attention_bf16_path()
  * says which function bfloat16 prefills run now. */
 #define PREFILL_KEY_BLOCK 16
 #define PREFILL_QUERY_TILE 32
@@ -1523,15 +1524,13 @@ static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, 
  *   - V is widened once per block into [32 keys][head_dim], and PV keeps several rows'
  *     outputs in registers over the block's keys (fma_pv_rows).
  * Which bfloat16 prefill runs (this or the build's own, prefill_task_dp on AVX512_BF16 builds)
- * is a process-wide switch, prefill_attention_bf16_use_fma, that the engine sets from a timing
+ * is a process-wide choice, prefill_attention_bf16_select, that the engine makes from a timing
  * at start-up (backend/model/prefill_attention_choice.py); off, nothing changes. head_dim a
  * multiple of 16 from 32 to 128, or 256 (fma_path_fits); windows, sinks and soft-capping as
  * every prefill path. */
 #define FMA_KEY_BLOCK 32
 #define FMA_ROW_BLOCK 16
 #define FMA_QK_ROWS 8
-
-static int prefill_bf16_fma = 0;
 
 static int fma_path_fits(int64_t head_dim) {
     return (head_dim % 16 == 0 && head_dim >= 32 && head_dim <= 128) || head_dim == 256;
@@ -1768,28 +1767,357 @@ static void prefill_task_fma_any(const bf16_t *query, bf16_t *out, int64_t row0,
 
 int prefill_attention_bf16_fma_built(void) { return 1; }
 #else
-static int prefill_bf16_fma = 0;
 static int fma_path_fits(int64_t head_dim) { (void)head_dim; return 0; }
 int prefill_attention_bf16_fma_built(void) { return 0; }
 #endif
 
-/* Turn the float32-FMA bfloat16 prefill (prefill_task_fma) on or off for this process (off until
- * asked); returns whether it is now on (never where the build has no AVX-512F). */
-int prefill_attention_bf16_use_fma(int on) {
-    prefill_bf16_fma = on && prefill_attention_bf16_fma_built();
-    return prefill_bf16_fma;
+#if defined(__AVX512F__) && defined(__AVX512FP16__)
+/* ---- bfloat16 prefill in float16 512-bit FMAs (prefill_task_fp16) ---------------------------
+ *
+ * Where AVX512-FP16 is (the Intel Xeon of docs/benchmarks.md), a 512-bit float16 FMA issues as
+ * often as a float32 one and does twice the products: prefill_task_fma's two products run here
+ * in float16, every sum handed to float32 after at most 32 products a lane (as linear_bf16.c's
+ * float16 version does), the scores' after 16; the softmax (maxima, exp, sums) stays float32.
+ *   - Range: each query row is scaled by a power of 2 to a largest magnitude in [0.5, 1) and
+ *     narrowed once per task; each key block's K and V by one power of 2 each (their largest
+ *     magnitudes over the block's keys). bfloat16 -> float16 is exact over float16's normal
+ *     range, every product is under 1 and every float16 sum under 32, whatever the model's
+ *     scale; the powers of 2 are undone in float32 (exact).
+ *   - QK: 16 keys a vector, a pair of dimensions a 32-bit lane (K transposed in pairs, as
+ *     prefill_task_fma does before widening); a broadcast pair of a query row gives each lane
+ *     one product; even and odd lanes are added in float32 after each FP16_QK_PAIRS pairs (16:
+ *     a score's float16 error grows with its magnitude, and 32 pairs doubled the largest
+ *     error for 4% of the time; docs/benchmarks.md).
+ *   - PV: a pair of keys a 32-bit lane, 16 dimensions a vector; a broadcast pair of the rows'
+ *     probabilities (rounded to float16, relative 2^-11) gives each lane one product. A block
+ *     of FP16_KEY_BLOCK keys is 32 pairs: each lane sums 32 products, then goes into float32
+ *     outputs kept per parity of key (the online softmax's corrections scale both), added at
+ *     the end.
+ * Which bfloat16 prefill runs is the process-wide choice prefill_attention_bf16_select (the
+ * engine times it at start-up, backend/model/prefill_attention_choice.py). head_dim 32, 64,
+ * 96, 128 or 256 (fp16_path_fits); windows, sinks and soft-capping as every prefill path. */
+#define FP16_KEY_BLOCK 64             /* 32 pairs of keys: the most a float16 lane sums in PV */
+#define FP16_CHUNKS (FP16_KEY_BLOCK / 16)
+#define FP16_ROW_BLOCK 16
+#define FP16_QK_ROWS 8
+#ifndef FP16_QK_PAIRS
+#define FP16_QK_PAIRS 16              /* pairs of dimensions summed in float16 before float32 */
+#endif
+
+static int fp16_path_fits(int64_t head_dim) {
+    return head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256;
 }
 
-/* Which function prefill() runs for bfloat16 at this head size: 3 for prefill_task_fma, else
- * attention_path(1, head_dim)'s answer. */
+/* Scratch bytes prefill_task_fp16 needs for ``rows`` (a multiple of FP16_ROW_BLOCK); every piece
+ * starts 64-byte aligned (head_dim a multiple of 32). */
+static int64_t prefill_fp16_scratch_bytes(int64_t rows, int64_t head_dim) {
+    return 2 * rows * head_dim                                       /* queries, float16 */
+           + sizeof(float) * (2 * rows * head_dim                    /* outputs, per parity of key */
+                              + 3 * rows                             /* row max, sum, score multiplier */
+                              + FP16_ROW_BLOCK * FP16_KEY_BLOCK      /* scores, then probabilities */
+                              + 2 * FP16_ROW_BLOCK)                  /* new maxima, corrections */
+           + 2 * 2 * FP16_KEY_BLOCK * head_dim                       /* K pairs, V pairs, float16 */
+           + 2 * FP16_ROW_BLOCK * FP16_KEY_BLOCK;                    /* probabilities, float16 */
+}
+
+/* The largest magnitude among n bfloat16 values (a multiple of 32), as the bits of a bfloat16
+ * magnitude (their order is the values' order; NaN above infinity), folded into ``top``. */
+static inline __attribute__((always_inline)) __m512i bf16_magnitude_max(const bf16_t *src, int64_t n, __m512i top) {
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+    for (int64_t c = 0; c < n; c += 32)
+        top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512(src + c), magnitude));
+    return top;
+}
+
+/* The power of 2 that brings the largest magnitude whose lanes ``top`` holds into [0.5, 1); 1
+ * where it is 0 or not finite (NaN and infinities then pass through as in the reference). */
+static inline float fp16_range_scale(__m512i top) {
+    const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(top)),
+                                          _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(top, 1)));
+    const uint32_t bits = (uint32_t)_mm512_reduce_max_epu32(wide) << 16;
+    float m;
+    memcpy(&m, &bits, sizeof m);
+    if (!(m > 0.0f) || !isfinite(m)) return 1.0f;
+    int e = -(ilogbf(m) + 1);
+    e = e > 126 ? 126 : e;
+    return ldexpf(1.0f, e);
+}
+
+/* 32 bfloat16 values times ``s``, narrowed to float16 in the same order. */
+static inline __attribute__((always_inline)) __m512i narrow_bf16_32(__m512i v, __m512 s) {
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    const __m256i lo16 = (__m256i)_mm512_cvtxps_ph(_mm512_mul_ps(lo, s));
+    const __m256i hi16 = (__m256i)_mm512_cvtxps_ph(_mm512_mul_ps(hi, s));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo16), hi16, 1);
+}
+
+/* 16 bfloat16 values times ``s``, narrowed to float16. */
+static inline __attribute__((always_inline)) __m256i narrow_bf16_16(const bf16_t *src, __m512 s) {
+    return (__m256i)_mm512_cvtxps_ph(_mm512_mul_ps(widen16(src), s));
+}
+
+/* A vector of 16 pairs of float16 lanes -> the 16 pairs' sums in float32 (lane i: lanes 2i and
+ * 2i + 1). */
+static inline __attribute__((always_inline)) __m512 fp16_pair_sums(__m512h acc, __m512i even, __m512i odd) {
+    const __m512i bits = _mm512_castph_si512(acc);
+    const __m512 lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(bits)));
+    const __m512 hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(bits, 1)));
+    return _mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi));
+}
+
+/* Queries [i0, i1) of one sequence, the heads of KV head ``g``, as prefill_task_fma (the same
+ * rows, masks and online softmax); VEC = head_dim / 16 and CAPPED are constants
+ * (prefill_task_fp16_any). ``rows``: the task's rows rounded up to FP16_ROW_BLOCK. */
+static inline __attribute__((always_inline)) void prefill_task_fp16(
+        const int VEC, const int CAPPED, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+        int64_t context_len, const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g,
+        int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale, int64_t window, const float *sinks,
+        float softcap, int64_t rows, void *scratch) {
+    const int64_t head_dim = 16 * VEC, pairs = 8 * VEC, group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim, real_rows = group * (i1 - i0);
+    const int PV_ROWS = fma_pv_rows(VEC);
+    uint32_t *restrict qh = scratch;                                /* [rows][pairs] float16 pairs */
+    float *restrict o = (float *)(qh + rows * pairs);               /* [rows][VEC][32]: per parity of key */
+    float *restrict row_max = o + rows * 2 * head_dim;              /* [rows] */
+    float *restrict row_sum = row_max + rows;                       /* [rows] */
+    float *restrict row_mult = row_sum + rows;                      /* [rows]: scale / the row's power of 2 */
+    float *restrict p = row_mult + rows;                            /* [ROW_BLOCK][KEY_BLOCK] */
+    float *restrict new_max = p + FP16_ROW_BLOCK * FP16_KEY_BLOCK, *restrict correction = new_max + FP16_ROW_BLOCK;
+    uint32_t *restrict kp = (uint32_t *)(correction + FP16_ROW_BLOCK);   /* [CHUNKS][pairs][16 keys] */
+    uint32_t *restrict vp = kp + FP16_KEY_BLOCK * pairs;            /* [KEY_BLOCK / 2][VEC][16 dims] */
+    uint32_t *restrict ph = vp + FP16_KEY_BLOCK * pairs;            /* [ROW_BLOCK][KEY_BLOCK / 2] */
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        if (r < real_rows) {
+            const bf16_t *src = query + ((row0 + i) * num_heads + h) * head_dim;
+            const float s = fp16_range_scale(bf16_magnitude_max(src, head_dim, _mm512_setzero_si512()));
+            for (int j = 0; j < VEC; ++j)
+                _mm256_store_si256((__m256i *)(qh + r * pairs + 8 * j), narrow_bf16_16(src + 16 * j, _mm512_set1_ps(s)));
+            row_mult[r] = scale / s;
+        } else {
+            memset(qh + r * pairs, 0, sizeof(uint32_t) * pairs);
+            row_mult[r] = 0.0f;
+        }
+        memset(o + r * 2 * head_dim, 0, sizeof(float) * 2 * head_dim);
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
+    for (int64_t j0 = prefill_first_key(context_len + i0, window); j0 <= last_key; j0 += FP16_KEY_BLOCK) {
+        const int keys = (int)(last_key + 1 - j0 < FP16_KEY_BLOCK ? last_key + 1 - j0 : FP16_KEY_BLOCK);
+        const int chunks = (keys + 15) / 16;
+        int64_t at[FP16_KEY_BLOCK];
+        __m512i ktop = _mm512_setzero_si512(), vtop = _mm512_setzero_si512();
+        for (int64_t t = 0, block = j0 / block_size, slot = j0 % block_size; t < keys; ++t) {
+            at[t] = ((int64_t)table[block] * block_size + slot) * token_stride + g * head_dim;
+            if (++slot == block_size) slot = 0, ++block;
+            ktop = bf16_magnitude_max(key_cache + at[t], head_dim, ktop);
+            vtop = bf16_magnitude_max(value_cache + at[t], head_dim, vtop);
+        }
+        const float ks = fp16_range_scale(ktop), vs = fp16_range_scale(vtop);
+        const __m512 kscale = _mm512_set1_ps(ks), vscale = _mm512_set1_ps(vs), vinv = _mm512_set1_ps(1.0f / vs);
+        /* K: kp[(c * pairs + i) * 16 + t] = key 16c + t's dimensions 2i, 2i + 1 (zeros past the keys) */
+        for (int c = 0; c < (chunks + 1) / 2 * 2; ++c)   /* QK takes chunks two at a time */
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+                __m512i r[16];
+                for (int t = 0; t < 16; ++t)
+                    r[t] = 16 * c + t < keys ? _mm512_loadu_si512(key_cache + at[16 * c + t] + d0) : _mm512_setzero_si512();
+                transpose_16x16((__m512 *)r);
+                for (int i = 0; i < 16; ++i)
+                    _mm512_store_si512(kp + (c * pairs + d0 / 2 + i) * 16, narrow_bf16_32(r[i], kscale));
+            }
+        /* V: vp[(jp * VEC + j) * 16 + d] = keys 2jp, 2jp + 1 at dimension 16j + d (zeros past the keys) */
+        for (int jp = 0; jp < (keys + 1) / 2; ++jp)
+            for (int j = 0; j < VEC; ++j) {
+                const __m256i a = narrow_bf16_16(value_cache + at[2 * jp] + 16 * j, vscale);
+                const __m256i b = 2 * jp + 1 < keys ? narrow_bf16_16(value_cache + at[2 * jp + 1] + 16 * j, vscale)
+                                                    : _mm256_setzero_si256();
+                _mm512_store_si512(vp + (jp * VEC + j) * 16,
+                                   _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+            }
+        for (int64_t r0 = 0; r0 < real_rows; r0 += FP16_ROW_BLOCK) {
+            int visible[FP16_ROW_BLOCK], hidden[FP16_ROW_BLOCK];
+            __mmask16 mask[FP16_ROW_BLOCK][FP16_CHUNKS];
+            int any = 0;
+            for (int rr = 0; rr < FP16_ROW_BLOCK; ++rr) {
+                row_key_range(r0 + rr, real_rows, group, context_len, i0, j0, keys, window, &visible[rr], &hidden[rr]);
+                const int v = visible[rr], before = hidden[rr];
+                const uint64_t bits = (v >= 64 ? ~0ull : (1ull << v) - 1) & ~(before >= 64 ? ~0ull : (1ull << before) - 1);
+                for (int c = 0; c < FP16_CHUNKS; ++c) mask[rr][c] = (__mmask16)(bits >> (16 * c));
+                any |= v > before;
+            }
+            if (!any) continue;     /* the whole block is in these rows' future (or before their windows) */
+            /* scores: FP16_QK_ROWS rows x 32 keys at a time, scaled, capped and masked */
+            for (int rb = 0; rb < FP16_ROW_BLOCK; rb += FP16_QK_ROWS) {
+                int active = 0;
+                for (int rr = rb; rr < rb + FP16_QK_ROWS; ++rr) active |= visible[rr] > hidden[rr];
+                for (int c0 = 0; c0 < FP16_CHUNKS; c0 += 2) {
+                    float *sr = p + rb * FP16_KEY_BLOCK + 16 * c0;
+                    if (!active || c0 >= chunks) {
+                        for (int rr = 0; rr < FP16_QK_ROWS; ++rr) {
+                            _mm512_store_ps(sr + rr * FP16_KEY_BLOCK, minus_inf);
+                            _mm512_store_ps(sr + rr * FP16_KEY_BLOCK + 16, minus_inf);
+                        }
+                        continue;
+                    }
+                    const uint32_t *qb = qh + (r0 + rb) * pairs;
+                    const uint32_t *k0 = kp + c0 * pairs * 16, *k1 = k0 + pairs * 16;   /* chunk c0 + 1: zeros past the keys */
+                    for (int64_t s0 = 0; s0 < pairs; s0 += FP16_QK_PAIRS) {
+                        const int64_t s1 = pairs - s0 < FP16_QK_PAIRS ? pairs : s0 + FP16_QK_PAIRS;
+                        __m512h acc[FP16_QK_ROWS][2];
+                        _Pragma("GCC unroll 8") for (int rr = 0; rr < FP16_QK_ROWS; ++rr)
+                            acc[rr][0] = acc[rr][1] = _mm512_setzero_ph();
+                        for (int64_t i = s0; i < s1; ++i) {
+                            const __m512h ka = _mm512_castsi512_ph(_mm512_load_si512(k0 + i * 16));
+                            const __m512h kb = _mm512_castsi512_ph(_mm512_load_si512(k1 + i * 16));
+                            _Pragma("GCC unroll 8") for (int rr = 0; rr < FP16_QK_ROWS; ++rr) {
+                                const __m512h qv = _mm512_castsi512_ph(_mm512_set1_epi32((int)qb[rr * pairs + i]));
+                                acc[rr][0] = _mm512_fmadd_ph(qv, ka, acc[rr][0]);
+                                acc[rr][1] = _mm512_fmadd_ph(qv, kb, acc[rr][1]);
+                            }
+                        }
+                        _Pragma("GCC unroll 8") for (int rr = 0; rr < FP16_QK_ROWS; ++rr)
+                            for (int half = 0; half < 2; ++half) {
+                                float *to = sr + rr * FP16_KEY_BLOCK + 16 * half;
+                                const __m512 sum = fp16_pair_sums(acc[rr][half], even, odd);
+                                _mm512_store_ps(to, s0 == 0 ? sum : _mm512_add_ps(_mm512_load_ps(to), sum));
+                            }
+                    }
+                    _Pragma("GCC unroll 8") for (int rr = 0; rr < FP16_QK_ROWS; ++rr) {
+                        const __m512 mult = _mm512_set1_ps(row_mult[r0 + rb + rr] / ks);
+                        for (int half = 0; half < 2; ++half) {
+                            float *to = sr + rr * FP16_KEY_BLOCK + 16 * half;
+                            __m512 s = _mm512_mul_ps(_mm512_load_ps(to), mult);
+                            if (CAPPED) s = cap_ps512(s, _mm512_set1_ps(1.0f / softcap), _mm512_set1_ps(softcap));
+                            _mm512_store_ps(to, _mm512_mask_mov_ps(minus_inf, mask[rb + rr][c0 + half], s));
+                        }
+                    }
+                }
+            }
+            /* online softmax of the 16 rows (float32); probabilities also narrowed to float16 pairs */
+            __m512 m[FP16_ROW_BLOCK];
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < FP16_ROW_BLOCK; ++rr) {
+                const float *pr = p + rr * FP16_KEY_BLOCK;
+                m[rr] = _mm512_max_ps(_mm512_max_ps(_mm512_load_ps(pr), _mm512_load_ps(pr + 16)),
+                                      _mm512_max_ps(_mm512_load_ps(pr + 32), _mm512_load_ps(pr + 48)));
+            }
+            const __m512 scale_old = online_max_step(reduce_lanes_16(m, 1), row_max + r0, new_max, correction);
+            _Pragma("GCC unroll 16") for (int rr = 0; rr < FP16_ROW_BLOCK; ++rr) {
+                const __m512 nm = _mm512_set1_ps(new_max[rr]);
+                const float *pr = p + rr * FP16_KEY_BLOCK;
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < FP16_CHUNKS; ++c) {
+                    const __m512 e = _mm512_maskz_mov_ps(mask[rr][c], exp_ps512(_mm512_sub_ps(_mm512_load_ps(pr + 16 * c), nm)));
+                    _mm256_store_si256((__m256i *)(ph + rr * (FP16_KEY_BLOCK / 2) + 8 * c), (__m256i)_mm512_cvtxps_ph(e));
+                    sum = _mm512_add_ps(sum, e);
+                }
+                m[rr] = sum;
+            }
+            _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), scale_old, reduce_lanes_16(m, 0)));
+            /* PV: PV_ROWS rows' outputs in float16 registers over the pairs of keys any of them sees */
+            for (int rb = 0; rb < FP16_ROW_BLOCK; rb += PV_ROWS) {
+                int first = FP16_KEY_BLOCK, end = 0;
+                for (int rr = rb; rr < rb + PV_ROWS; ++rr)
+                    if (visible[rr] > hidden[rr]) {
+                        first = hidden[rr] < first ? hidden[rr] : first;
+                        end = visible[rr] > end ? visible[rr] : end;
+                    }
+                if (first >= end) continue;   /* correction 1: these rows keep their state */
+                __m512h acc[4][16];
+                _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr)
+                    for (int j = 0; j < VEC; ++j) acc[rr][j] = _mm512_setzero_ph();
+                for (int jp = first / 2; jp < (end + 1) / 2; ++jp) {
+                    __m512h w[4];
+                    _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr)
+                        w[rr] = _mm512_castsi512_ph(_mm512_set1_epi32((int)ph[(rb + rr) * (FP16_KEY_BLOCK / 2) + jp]));
+                    _Pragma("GCC unroll 16") for (int j = 0; j < VEC; ++j) {
+                        const __m512h v = _mm512_castsi512_ph(_mm512_load_si512(vp + (jp * VEC + j) * 16));
+                        _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr) acc[rr][j] = _mm512_fmadd_ph(w[rr], v, acc[rr][j]);
+                    }
+                }
+                _Pragma("GCC unroll 4") for (int rr = 0; rr < PV_ROWS; ++rr) {
+                    const __m512 c = _mm512_set1_ps(correction[rb + rr]);
+                    float *ob = o + (r0 + rb + rr) * 2 * head_dim;
+                    for (int j = 0; j < VEC; ++j) {
+                        const __m512i bits = _mm512_castph_si512(acc[rr][j]);
+                        const __m512 lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(bits)));
+                        const __m512 hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(bits, 1)));
+                        _mm512_store_ps(ob + 32 * j, _mm512_fmadd_ps(lo, vinv, _mm512_mul_ps(_mm512_load_ps(ob + 32 * j), c)));
+                        _mm512_store_ps(ob + 32 * j + 16,
+                                        _mm512_fmadd_ps(hi, vinv, _mm512_mul_ps(_mm512_load_ps(ob + 32 * j + 16), c)));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < real_rows; ++r) {
+        const int64_t i = i0 + r / group, h = g * group + r % group;
+        bf16_t *dst = out + ((row0 + i) * num_heads + h) * head_dim;
+        const __m512 inv = _mm512_set1_ps(row_normaliser(row_sum[r], row_max[r], sinks == NULL ? NULL : sinks + h));
+        float done[16] __attribute__((aligned(64)));
+        for (int j = 0; j < VEC; ++j) {
+            /* lanes 2d and 2d + 1 of the 32 floats: dimension 16j + d from even and odd keys */
+            const __m512 lo = _mm512_load_ps(o + r * 2 * head_dim + 32 * j), hi = _mm512_load_ps(o + r * 2 * head_dim + 32 * j + 16);
+            _mm512_store_ps(done, _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi),
+                                                              _mm512_permutex2var_ps(lo, odd, hi)), inv));
+            for (int d = 0; d < 16; ++d) dst[16 * j + d] = f32_to_bf16(done[d]);
+        }
+    }
+}
+
+static void prefill_task_fp16_any(const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+                                  int64_t context_len, const int32_t *table, const bf16_t *key_cache,
+                                  const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                                  const float *sinks, float softcap, int64_t rows, void *scratch) {
+#define TASK(V, C) prefill_task_fp16(V, C, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, \
+                                     num_heads, num_kv_heads, block_size, scale, window, sinks, softcap, rows, scratch)
+#define BY_SIZE(C) switch (head_dim) { \
+        case 32: TASK(2, C); break; case 64: TASK(4, C); break; case 96: TASK(6, C); break; \
+        case 128: TASK(8, C); break; default: TASK(16, C); break; }
+    if (softcap != 0.0f) BY_SIZE(1)
+    else BY_SIZE(0)
+#undef BY_SIZE
+#undef TASK
+}
+
+int prefill_attention_bf16_fp16_built(void) { return 1; }
+#else
+static int fp16_path_fits(int64_t head_dim) { (void)head_dim; return 0; }
+int prefill_attention_bf16_fp16_built(void) { return 0; }
+#endif
+
+/* Which bfloat16 prefill function this process runs (prefill_attention_bf16_select). */
+enum prefill_bf16_kernel { PREFILL_BF16_OWN = 0, PREFILL_BF16_FMA = 1, PREFILL_BF16_FP16 = 2 };
+static int prefill_bf16_kernel = PREFILL_BF16_OWN;
+
+/* Select the bfloat16 prefill function for this process: the build's own (0, until asked), the
+ * float32-FMA one (1) or the float16 one (2); one the build lacks selects the build's own.
+ * Returns the one now selected. */
+int prefill_attention_bf16_select(int kernel) {
+    prefill_bf16_kernel = (kernel == PREFILL_BF16_FMA && prefill_attention_bf16_fma_built()) ||
+                          (kernel == PREFILL_BF16_FP16 && prefill_attention_bf16_fp16_built()) ? kernel : PREFILL_BF16_OWN;
+    return prefill_bf16_kernel;
+}
+
+int prefill_attention_bf16_selected(void) { return prefill_bf16_kernel; }
+
+/* Which function prefill() runs for bfloat16 at this head size: 3 for prefill_task_fma, 4 for
+ * prefill_task_fp16 (where selected and the size fits), else attention_path(1, head_dim)'s answer. */
 #define ATTENTION_AVX512_FMA 3
+#define ATTENTION_AVX512_FP16 4
 /* Queries per prefill_task_fma task: with a GQA group of 3, 192 rows share each widened K and V
  * block (32 queries, as the other prefill functions take, left the widening a larger share). */
 #ifndef FMA_QUERY_TILE
 #define FMA_QUERY_TILE 64
 #endif
 int prefill_attention_bf16_path(int64_t head_dim) {
-    if (prefill_bf16_fma && fma_path_fits(head_dim)) return ATTENTION_AVX512_FMA;
+    if (prefill_bf16_kernel == PREFILL_BF16_FMA && fma_path_fits(head_dim)) return ATTENTION_AVX512_FMA;
+    if (prefill_bf16_kernel == PREFILL_BF16_FP16 && fp16_path_fits(head_dim)) return ATTENTION_AVX512_FP16;
     return attention_path(1, head_dim);
 }
 
@@ -1802,9 +2130,10 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
                    const void *key_cache, const void *value_cache, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
                    const float *sinks, float softcap, int num_threads) {
-    /* the float32-FMA bfloat16 function where it is switched on (prefill_attention_bf16_use_fma) */
-    const int fma = is_bf16 && prefill_attention_bf16_path(head_dim) == ATTENTION_AVX512_FMA;
-    const int64_t query_tile = fma ? FMA_QUERY_TILE : PREFILL_QUERY_TILE;
+    /* the float32-FMA or float16 bfloat16 function where selected (prefill_attention_bf16_select) */
+    const int bf16_path = is_bf16 ? prefill_attention_bf16_path(head_dim) : -1;
+    const int fma = bf16_path == ATTENTION_AVX512_FMA, fp16 = bf16_path == ATTENTION_AVX512_FP16;
+    const int64_t query_tile = fma || fp16 ? FMA_QUERY_TILE : PREFILL_QUERY_TILE;
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
         num_tasks += num_kv_heads * ((q_lens[s] + query_tile - 1) / query_tile);
@@ -1842,6 +2171,22 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
                                  block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
                                  num_kv_heads, head_dim, block_size, scale, task_window, sinks, softcap,
                                  (group * (i1 - i0) + FMA_ROW_BLOCK - 1) / FMA_ROW_BLOCK * FMA_ROW_BLOCK, scratch);
+            free(scratch);
+            continue;
+        }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512FP16__)
+        if (fp16) {
+            const int64_t fp16_rows = (group * FMA_QUERY_TILE + FP16_ROW_BLOCK - 1) / FP16_ROW_BLOCK * FP16_ROW_BLOCK;
+            void *scratch = aligned_alloc(64, (prefill_fp16_scratch_bytes(fp16_rows, head_dim) + 63) / 64 * 64);
+            if (scratch == NULL) {
+                failed = 1;
+                continue;
+            }
+            prefill_task_fp16_any(query, out, q_starts[s], i0, i1, seq_lens[s] - q_lens[s],
+                                  block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
+                                  num_kv_heads, head_dim, block_size, scale, task_window, sinks, softcap,
+                                  (group * (i1 - i0) + FP16_ROW_BLOCK - 1) / FP16_ROW_BLOCK * FP16_ROW_BLOCK, scratch);
             free(scratch);
             continue;
         }

@@ -1,0 +1,369 @@
+"""Our bfloat16 prefill functions beyond the build's own (kernels/csrc/paged_attention.c: the
+float32-FMA one, prefill_task_fma, and the float16 one, prefill_task_fp16) against the reference
+(kernels/reference.py is the spec), and the start-up choice among them and the build's own
+(backend/model/prefill_attention_choice.py, ``choose_bf16_prefill_kernel``).
+
+Batches come from tests/paged_batches.py (permuted block tables, NaN in every slot no sequence
+owns and in the block table padding points at), with NaN also in every slot before each
+sequence's window where there is one: a read outside what a query may see shows up. The
+float32-FMA function is built wherever the compiler targets AVX-512F, the float16 one where it
+targets AVX512-FP16; elsewhere their tests are NOT RUN and say why. A function is selected for
+this process around each test and the build's own after.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.model.architecture import ModelArchitecture
+from backend.model import prefill_attention_choice as choice_module
+from backend.model.cpu_features import detect
+from backend.model.prefill_attention_choice import (FMA_MARGIN, choose_bf16_prefill_kernel,
+                                                    choose_prefill_attention, kernels_serving)
+from kernels import cpu_native
+from kernels.cpu_attention import plan_attention_cpu
+from kernels.reference import paged_attention_reference
+from tests.paged_batches import TOLERANCES, make_batch, shape_id
+from tests.test_cpu_attention import CPU_TOLERANCES, poison_before_windows, random_sinks
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+
+needs_kernels = pytest.mark.skipif(cpu_native.load() is None, reason="NOT RUN: the C kernels did not build here")
+
+
+def built(kernel: str) -> bool:
+    library = cpu_native.load()
+    if library is None:
+        return False
+    return bool(library.prefill_attention_bf16_fma_built() if kernel == "fma"
+                else library.prefill_attention_bf16_fp16_built())
+
+
+needs_fma = pytest.mark.skipif(
+    "avx512f" not in detect().flags or not built("fma"),
+    reason="NOT RUN: the float32-FMA bfloat16 prefill needs AVX-512F (and the C kernels), which this CPU lacks")
+needs_fp16 = pytest.mark.skipif(
+    "avx512_fp16" not in detect().flags or not built("fp16"),
+    reason="NOT RUN: the float16 bfloat16 prefill needs AVX512-FP16 (and the C kernels), which this CPU lacks")
+NEEDS = {"fma": needs_fma, "fp16": needs_fp16}
+PATHS = {"fma": "avx512-fma", "fp16": "avx512-fp16"}
+# The float32-FMA function does the reference's float32 arithmetic in another order: the CPU
+# paths' bfloat16 bound. The float16 one rounds the probabilities to float16 and sums products in
+# float16 (32 at most): the bound shared with torch's SDPA and the Triton kernel, which round the
+# probabilities to bfloat16, and its largest error under 2^-6 of the output's largest magnitude.
+KERNEL_TOLERANCES = {"fma": CPU_TOLERANCES[BF16], "fp16": TOLERANCES[BF16]}
+FP16_MAX_RELATIVE_ERROR = 2.0 ** -6
+# head sizes each serves (others keep the build's own)
+SERVES = {"fma": lambda d: (d % 16 == 0 and 32 <= d <= 128) or d == 256,
+          "fp16": lambda d: d in (32, 64, 96, 128, 256)}
+
+
+@pytest.fixture(autouse=True)
+def builds_own_after():
+    """Every test leaves the build's own function selected, as the engine finds it."""
+    yield
+    if cpu_native.load() is not None:
+        cpu_native.select_prefill_bf16_kernel("dp")
+
+
+# (query heads, KV heads, head_dim, block size): GQA groups 1, 3 and 4; head_dim 64, 128 and 80
+# (an odd multiple of 16: a half transpose at the end of each key row), and 256 (Gemma 2's).
+SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 80, 16), (4, 1, 256, 16)]
+# (window, sinks, softcap): none; windows of 1, 13 and 37 keys (no multiple of a key block) and
+# one longer than every sequence; sinks alone and with a window; soft-capping alone (a cap of 2: the
+# scores, ~1.3 wide, are well into tanh's bend) and with both.
+CASES = [(None, False, None), (1, False, None), (13, True, None), (37, False, None), ("longer", False, None),
+         (None, True, None), (None, False, 2.0), (21, True, 8.0)]
+
+
+def case_id(case) -> str:
+    window, sinks, softcap = case
+    return f"window-{window or 'none'}{'-sinks' if sinks else ''}{f'-softcap{softcap:g}' if softcap else ''}"
+
+
+def prefill_batch(seed: int, shape: tuple[int, int, int, int]):
+    """A fresh prompt over 2-3 query tiles (64 queries each) and key blocks (32 keys), a chunk
+    over cached context starting mid-block, a short chunk deep in its sequence and a decode row
+    (the prefill kernel must leave it alone)."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    rng = random.Random(seed)
+    specs = [(0, rng.randrange(70, 160)), (rng.randrange(1, 120), rng.randrange(40, 100)),
+             (rng.randrange(150, 230), rng.randrange(2, 12)), (rng.randrange(1, 60), 1)]
+    rng.shuffle(specs)
+    return make_batch(seed, specs, num_heads, num_kv_heads, head_dim, block_size, BF16, CPU), specs
+
+
+def run_prefill(batch, plan, scale: float, window: int | None, sinks, softcap) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    cpu_native.paged_prefill_attention(batch.query, out, plan.prefill_starts, plan.prefill_query_lens,
+                                       plan.prefill_seq_lens, plan.prefill_tables, batch.key_cache, batch.value_cache,
+                                       scale, window=window or 0, sinks=sinks, softcap=softcap or 0.0)
+    return out
+
+
+# Gemma 2's head size (the largest, slowest reference) in fewer cases: plain, window + sinks, capped.
+SHAPE_CASES = [(shape, case) for shape in SHAPES for case in CASES
+               if shape[2] != 256 or case in (CASES[0], CASES[2], CASES[6])]
+KERNEL_SHAPE_CASES = [pytest.param(kernel, shape, case, marks=NEEDS[kernel],
+                                   id=f"{kernel}-{shape_id(shape)}-{case_id(case)}")
+                      for kernel in ("fma", "fp16") for shape, case in SHAPE_CASES if SERVES[kernel](shape[2])]
+
+
+@pytest.mark.parametrize("kernel,shape,case", KERNEL_SHAPE_CASES)
+def test_prefill_matches_reference(kernel: str, shape: tuple[int, int, int, int], case) -> None:
+    """Prefill rows through the function on 1 and 2 threads: the reference's result within its
+    bound (KERNEL_TOLERANCES), no NaN from the slots before the windows, decode rows untouched; a
+    window longer than every sequence gives the bits of none."""
+    num_heads, _, head_dim, block_size = shape
+    window, with_sinks, softcap = case
+    seed = random.randrange(1 << 30)
+    batch, specs = prefill_batch(seed, shape)
+    lens = batch.seq_lens.tolist()
+    if window == "longer":
+        window = max(lens) + random.Random(seed).randrange(1, 20)
+    if window is not None:
+        poison_before_windows(batch, window)
+    sinks = random_sinks(num_heads, seed) if with_sinks else None
+    context = f"{kernel}, seed {seed}, specs {specs}, window {window}, sinks {with_sinks}, softcap {softcap}"
+    scale = 1.3 * head_dim ** -0.5
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale, window, sinks, softcap)
+    plan = plan_attention_cpu(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              torch.zeros(batch.query.shape[0], dtype=torch.int64), block_size)
+    prefill_rows = torch.cat([torch.arange(s, e) for s, e in zip(plan.prefill_starts.tolist(),
+                                                                  (plan.prefill_starts + plan.prefill_query_lens).tolist())])
+    decode_rows = plan.decode_rows
+    assert cpu_native.select_prefill_bf16_kernel(kernel) == kernel
+    assert cpu_native.prefill_bf16_path(head_dim) == PATHS[kernel]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            actual = run_prefill(batch, plan, scale, window, sinks, softcap)
+            torch.testing.assert_close(actual[prefill_rows].float(), expected[prefill_rows].float(),
+                                       **KERNEL_TOLERANCES[kernel], msg=lambda m: f"{n} threads, {context}: {m}")
+            if kernel == "fp16":
+                error = ((actual[prefill_rows].float() - expected[prefill_rows].float()).abs().max()
+                         / expected[prefill_rows].float().abs().max()).item()
+                assert error < FP16_MAX_RELATIVE_ERROR, f"{n} threads, {context}: relative error {error:.3g}"
+            assert actual[decode_rows].isnan().all(), f"the prefill kernel wrote rows not its own ({context})"
+        if case[0] == "longer":
+            torch.testing.assert_close(actual, run_prefill(batch, plan, scale, None, sinks, softcap), atol=0, rtol=0,
+                                       equal_nan=True, msg=lambda m: f"a window past every sequence changed bits "
+                                                                     f"({context}): {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_fp16
+@pytest.mark.parametrize("query_scale,key_scale,value_scale", [(1e5, 1e-5, 1e5), (1e-4, 1e4, 1e-6), (1.0, 1.0, 3e4),
+                                                               (1.0, 6.0, 1.0)],
+                         ids=["past-float16-max", "under-float16-normals", "value-sums-past-float16", "peaked-scores"])
+def test_fp16_holds_whatever_the_magnitudes(query_scale: float, key_scale: float, value_scale: float) -> None:
+    """The float16 function scales queries, K and V by powers of 2 into float16's range: elements
+    past float16's largest (65504) or under its smallest normal, and value sums that would pass
+    it, give the reference's result within the same relative bound; so do scores 6x wider (a
+    score's float16 error grows with its magnitude)."""
+    seed = random.randrange(1 << 30)
+    batch, specs = prefill_batch(seed, (9, 3, 64, 16))
+    batch.query.mul_(query_scale)
+    batch.key_cache.mul_(key_scale)
+    batch.value_cache.mul_(value_scale)
+    scale = 64 ** -0.5
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale)
+    plan = plan_attention_cpu(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              torch.zeros(batch.query.shape[0], dtype=torch.int64), 16)
+    keep = torch.ones(batch.query.shape[0], dtype=torch.bool)
+    keep[plan.decode_rows] = False
+    assert cpu_native.select_prefill_bf16_kernel("fp16") == "fp16"
+    actual = run_prefill(batch, plan, scale, None, None, None)[keep].float()
+    reference = expected[keep].float()
+    assert actual.isfinite().all(), f"seed {seed}, specs {specs}: non-finite outputs"
+    error = ((actual - reference).abs().max() / reference.abs().max()).item()
+    assert error < FP16_MAX_RELATIVE_ERROR, f"seed {seed}, specs {specs}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16")])
+def test_the_selection_is_per_process_and_only_for_sizes_it_serves(kernel: str) -> None:
+    """Selected: bfloat16 prefills at the head sizes it serves take it (others, and float32, keep
+    their functions, which decode shares); the build's own again after."""
+    own = {head_dim: cpu_native.attention_path(BF16, head_dim) for head_dim in (16, 64, 80, 96, 128, 256, 12)}
+    assert cpu_native.select_prefill_bf16_kernel(kernel) == kernel
+    assert [cpu_native.prefill_bf16_path(d) for d in own] == [PATHS[kernel] if SERVES[kernel](d) else own[d]
+                                                              for d in own]
+    assert cpu_native.attention_path(BF16, 64) == own[64]        # decode's answer is not the selection's
+    assert cpu_native.select_prefill_bf16_kernel("dp") == "dp"
+    assert all(cpu_native.prefill_bf16_path(d) == path for d, path in own.items())
+
+
+def arch(head_dim: int = 64) -> ModelArchitecture:
+    return ModelArchitecture(model_type="llama", vocab_size=300, hidden_size=9 * head_dim, intermediate_size=160,
+                             num_layers=2, num_heads=9, num_kv_heads=3, head_dim=head_dim, rms_norm_eps=1e-5,
+                             rope_theta=10000.0, rope_scaling=None, max_position_embeddings=1024,
+                             tie_word_embeddings=True, qkv_bias=False, qk_norm=False, initializer_range=0.2)
+
+
+class FakeTimer:
+    """Stands in for time_bf16_prefill_kernels: given ms and errors (of the kernels it is asked
+    to time), and how it was called."""
+
+    def __init__(self, timings: dict[str, float], errors: dict[str, float] | None = None):
+        self.timings, self.errors, self.calls, self.kernels = timings, errors, 0, None
+
+    def __call__(self, arch, block_size, kernels):
+        self.calls += 1
+        self.kernels = kernels
+        errors = self.errors or {kernel: 0.0 for kernel in kernels}
+        return ({k: ms for k, ms in self.timings.items() if k in kernels},
+                {k: error for k, error in errors.items() if k in kernels})
+
+
+def path_of(kernel: str, head_dim: int = 64) -> str:
+    return PATHS.get(kernel) or cpu_native.attention_path(BF16, head_dim)
+
+
+@pytest.mark.parametrize("forced", ["dp", pytest.param("fma", marks=needs_fma), pytest.param("fp16", marks=needs_fp16)])
+def test_forcing_each_kernel_works(forced: str) -> None:
+    """An explicit choice (EngineConfig.cpu_prefill_bf16_kernel) is taken untimed and selected;
+    the model's prefills then run it (the reference's output within its bound either way)."""
+    if cpu_native.load() is None:
+        pytest.skip("NOT RUN: the C kernels did not build here")
+    expected = path_of(forced)
+    timer = FakeTimer({"dp": 1.0, "fma": 1.0, "fp16": 1.0})
+    chosen = choose_bf16_prefill_kernel(arch(), 16, forced, timer=timer)
+    assert chosen.kernel == expected == cpu_native.prefill_bf16_path(64) and timer.calls == 0
+    assert f"cpu_prefill_bf16_kernel={forced}" in chosen.why
+    cpu_native.select_prefill_bf16_kernel("dp" if forced != "dp" else kernels_serving(64)[-1])   # another one, then
+    # through the start-up choice the model runner calls, whose log line names it
+    described = choose_prefill_attention("native", BF16, arch(), 16, bf16_kernel=forced).describe()
+    assert f"bfloat16 prompts in our {expected} function" in described and timer.calls == 0
+    seed = random.randrange(1 << 30)
+    batch, specs = prefill_batch(seed, (9, 3, 64, 16))
+    plan = plan_attention_cpu(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              torch.zeros(batch.query.shape[0], dtype=torch.int64), 16)
+    rows = plan.decode_rows
+    keep = torch.ones(batch.query.shape[0], dtype=torch.bool)
+    keep[rows] = False
+    expected_out = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                             batch.seq_lens, batch.block_tables, 0.125)
+    torch.testing.assert_close(run_prefill(batch, plan, 0.125, None, None, None)[keep].float(),
+                               expected_out[keep].float(), **KERNEL_TOLERANCES.get(forced, CPU_TOLERANCES[BF16]),
+                               msg=lambda m: f"seed {seed}: {m}")
+
+
+@needs_fma
+@pytest.mark.parametrize("timings,picked", [({"dp": 2.0, "fma": 1.0}, "fma"), ({"dp": 1.0, "fma": 2.0}, "dp"),
+                                            ({"dp": 1.0, "fma": 1.0 / FMA_MARGIN * 1.001}, "dp"),
+                                            ({"dp": 1.0, "fma": 1.0 / FMA_MARGIN * 0.99}, "fma")],
+                         ids=["fma-faster", "dp-faster", "within-margin", "past-margin"])
+def test_auto_takes_the_faster_by_the_margin(timings: dict[str, float], picked: str) -> None:
+    timer = FakeTimer(timings)
+    chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
+    assert timer.calls == 1 and chosen.kernel == path_of(picked) == cpu_native.prefill_bf16_path(64)
+    assert chosen.timings_ms == {k: ms for k, ms in timings.items() if k in timer.kernels}
+    assert "timed at start-up" in chosen.why
+
+
+@needs_fp16
+@pytest.mark.parametrize("timings,picked", [({"dp": 3.0, "fma": 2.0, "fp16": 1.5}, "fp16"),
+                                            ({"dp": 3.0, "fma": 1.5, "fp16": 2.0}, "fma"),
+                                            ({"dp": 1.0, "fma": 2.0, "fp16": 1.0 / FMA_MARGIN * 1.001}, "dp"),
+                                            ({"dp": float("inf"), "fma": 2.0, "fp16": 1.9}, "fp16")],
+                         ids=["fp16-fastest", "fma-fastest", "fp16-within-margin", "own-left-out"])
+def test_auto_takes_the_fastest_of_three(timings: dict[str, float], picked: str) -> None:
+    """With the float16 function built, all three are timed; the fastest runs, another than the
+    build's own only past the margin."""
+    timer = FakeTimer(timings)
+    chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
+    assert timer.kernels == ("dp", "fma", "fp16")
+    assert chosen.kernel == path_of(picked) == cpu_native.prefill_bf16_path(64)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16")])
+def test_a_wrong_kernel_is_never_chosen(kernel: str, caplog: pytest.LogCaptureFixture) -> None:
+    serving = kernels_serving(64)
+    timer = FakeTimer({"dp": 2.0}, {k: 0.5 if k == kernel else 0.0 for k in serving})
+    with caplog.at_level(logging.WARNING):
+        chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
+    assert chosen.kernel == cpu_native.attention_path(BF16, 64) == cpu_native.prefill_bf16_path(64)
+    assert f"our {kernel} function computes wrong results" in caplog.text
+
+
+@needs_fma
+def test_the_real_timing_here() -> None:
+    """The real timer on this machine: every function serving the model's head size passes the
+    check and gets a time; the fastest by the rule is selected and the description names it."""
+    serving = kernels_serving(64)            # (selects each in turn: before the choice)
+    chosen = choose_bf16_prefill_kernel(arch(), 16, "auto")
+    assert set(chosen.timings_ms) == set(serving) >= {"dp", "fma"}
+    assert all(0 < ms < 10_000 for ms in chosen.timings_ms.values())
+    assert chosen.kernel == cpu_native.prefill_bf16_path(64) == path_of(choice_module.fastest_bf16_kernel(
+        chosen.timings_ms))
+
+
+class NoAvx512Library:
+    """A build without AVX-512F, as choose_bf16_prefill_kernel sees it."""
+
+    def __init__(self, path: int):
+        self.path = path
+
+    def prefill_attention_bf16_fma_built(self) -> int:
+        return 0
+
+    def prefill_attention_bf16_fp16_built(self) -> int:
+        return 0
+
+    def prefill_attention_bf16_select(self, kernel: int) -> int:
+        return 0
+
+    def prefill_attention_bf16_path(self, head_dim: int) -> int:
+        return self.path
+
+
+@needs_kernels
+@pytest.mark.parametrize("choice", ["auto", "fma", "fp16"])
+def test_without_avx512f_the_builds_own_runs_untimed(choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"dp": 2.0, "fma": 1.0, "fp16": 0.5})
+    monkeypatch.setattr(cpu_native, "load", lambda: NoAvx512Library(1))
+    chosen = choose_bf16_prefill_kernel(arch(), 16, choice, timer=timer)
+    assert chosen.kernel == "avx2" and timer.calls == 0
+    assert ("no AVX-512F" if choice == "auto" else "not served here") in chosen.why
+
+
+@needs_fma
+def test_head_sizes_no_other_serves_keep_the_builds_own_untimed() -> None:
+    timer = FakeTimer({"dp": 2.0, "fma": 1.0, "fp16": 0.5})
+    chosen = choose_bf16_prefill_kernel(arch(16), 16, "auto", timer=timer)
+    assert chosen.kernel == cpu_native.attention_path(BF16, 16) and timer.calls == 0
+    assert "serves head_dim 16" in chosen.why
+
+
+@needs_fp16
+def test_a_head_size_only_fma_serves_times_dp_and_fma() -> None:
+    """head_dim 80: the float32-FMA function serves it, the float16 one does not."""
+    timer = FakeTimer({"dp": 2.0, "fma": 1.0, "fp16": 0.5})
+    chosen = choose_bf16_prefill_kernel(arch(80), 16, "auto", timer=timer)
+    assert timer.kernels == ("dp", "fma") and chosen.kernel == "avx512-fma" == cpu_native.prefill_bf16_path(80)
+
+
+@needs_kernels
+def test_unknown_kernel_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="cpu_prefill_bf16_kernel"):
+        choose_bf16_prefill_kernel(arch(), 16, "fastest")
+    with pytest.raises(ValueError, match="cpu_prefill_bf16_kernel"):
+        EngineConfig(cpu_prefill_bf16_kernel="fastest")
+
+
+def test_float32_models_make_no_bf16_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 prefills never run the bfloat16 functions: no choice is made, none is logged."""
+    monkeypatch.setattr(choice_module, "choose_bf16_prefill_kernel",
+                        lambda *args, **kwargs: pytest.fail("chose a bfloat16 kernel for a float32 model"))
+    if choice_module.native_kernel_runs(torch.float32):
+        assert choose_prefill_attention("native", torch.float32, arch(), 16).bf16_kernel is None
