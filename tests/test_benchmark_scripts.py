@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kernels import cpu_native
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -191,3 +193,23 @@ def test_cpu_attention_benchmark_against_torch_sdpa() -> None:
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if "torch SDPA" in line]
     assert [row[0].strip() for row in rows] == ["torch.float32", "torch.bfloat16"], done.stdout
     assert float(rows[0][8]) < 1e-5 and float(rows[1][8]) < 3e-2, done.stdout
+
+
+def test_prefill_precision_benchmark_runs(tmp_path: Path) -> None:
+    """The precision sweep (docs/benchmarks.md, "Float16 prompt attention") writes both sweeps
+    for every function built here; the float32-FMA function stays within bfloat16's rounding
+    at every width."""
+    out = tmp_path / "precision.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.prefill_precision", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "did not build" in done.stderr:
+        pytest.skip("NOT RUN: the C kernels did not build here")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["wide_scores"]) == 5 and len(result["query_outlier"]) == 6
+    rows = [*result["wide_scores"].values(), *result["query_outlier"].values()]
+    library = cpu_native.load()
+    built = {"fma": bool(library.prefill_attention_bf16_fma_built()),
+             "fp16": bool(library.prefill_attention_bf16_fp16_built())}
+    assert all(set(row) == {k for k, has in built.items() if has} for row in rows), result
+    assert all(row["fma"] < 1e-2 for row in rows if "fma" in row), result

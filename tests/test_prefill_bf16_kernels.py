@@ -72,9 +72,11 @@ def builds_own_after():
         cpu_native.select_prefill_bf16_kernel("dp")
 
 
-# (query heads, KV heads, head_dim, block size): GQA groups 1, 3 and 4; head_dim 64, 128 and 80
-# (an odd multiple of 16: a half transpose at the end of each key row), and 256 (Gemma 2's).
-SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 80, 16), (4, 1, 256, 16)]
+# (query heads, KV heads, head_dim, block size): GQA groups 1, 2, 3 and 4; head_dim 64, 128 and 80
+# (an odd multiple of 16: a half transpose at the end of each key row), 256 (Gemma 2's), 96 and 32
+# (the float16 function's other sizes).
+SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 80, 16), (4, 1, 256, 16), (6, 2, 96, 16),
+          (4, 2, 32, 16)]
 # (window, sinks, softcap): none; windows of 1, 13 and 37 keys (no multiple of a key block) and
 # one longer than every sequence; sinks alone and with a window; soft-capping alone (a cap of 2: the
 # scores, ~1.3 wide, are well into tanh's bend) and with both.
@@ -188,6 +190,30 @@ def test_fp16_holds_whatever_the_magnitudes(query_scale: float, key_scale: float
     assert actual.isfinite().all(), f"seed {seed}, specs {specs}: non-finite outputs"
     error = ((actual - reference).abs().max() / reference.abs().max()).item()
     assert error < FP16_MAX_RELATIVE_ERROR, f"seed {seed}, specs {specs}: relative error {error:.3g}"
+
+
+@needs_fp16
+def test_fp16_keeps_a_value_near_bfloat16s_largest_finite() -> None:
+    """A value element of 2e38 (a block's power of 2 would be under float32's normals without the
+    clamp, and its inverse infinite): every output stays finite, and the dimension holding it
+    gives the reference's result in the rows that see it. (The block's other values fall more
+    than float16's range, 2^40, below it and become 0: one power of 2 per block is the price.)"""
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, head_dim, block_size = 20, 3, 1, 64, 16
+    blocks = -(-tokens // block_size)
+    key_cache = torch.randn(blocks, block_size, kv_heads, head_dim).to(BF16)
+    value_cache = torch.randn(blocks, block_size, kv_heads, head_dim).to(BF16)
+    value_cache[0, 3, 0, 5] = 2e38
+    query = torch.randn(tokens, heads, head_dim).to(BF16)
+    table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
+    starts, lens = torch.tensor([0]), torch.tensor([tokens])
+    expected = paged_attention_reference(query, key_cache, value_cache, torch.tensor([0, tokens]), lens, table,
+                                         0.125).float()
+    assert cpu_native.select_prefill_bf16_kernel("fp16") == "fp16"
+    out = torch.full_like(query, float("nan"))
+    cpu_native.paged_prefill_attention(query, out, starts, lens, lens, table, key_cache, value_cache, 0.125)
+    assert out.float().isfinite().all()
+    torch.testing.assert_close(out[3:, :, 5].float(), expected[3:, :, 5], rtol=FP16_MAX_RELATIVE_ERROR, atol=0)
 
 
 @pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16")])
@@ -342,7 +368,7 @@ def test_head_sizes_no_other_serves_keep_the_builds_own_untimed() -> None:
     timer = FakeTimer({"dp": 2.0, "fma": 1.0, "fp16": 0.5})
     chosen = choose_bf16_prefill_kernel(arch(16), 16, "auto", timer=timer)
     assert chosen.kernel == cpu_native.attention_path(BF16, 16) and timer.calls == 0
-    assert "serves head_dim 16" in chosen.why
+    assert "not serve head_dim 16" in chosen.why
 
 
 @needs_fp16

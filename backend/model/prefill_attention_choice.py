@@ -192,6 +192,7 @@ def time_bf16_prefill_kernels(arch: ModelArchitecture, block_size: int, rounds: 
 
     def run(kernel: str) -> float:
         cpu_native.select_prefill_bf16_kernel(kernel)
+        out.fill_(float("nan"))     # a function that wrote nothing must not pass on another's output
         start = time.perf_counter()
         cpu_native.paged_prefill_attention(query, out, starts, query_lens, seq_lens, table, key_cache, value_cache,
                                            scale)
@@ -249,10 +250,10 @@ def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice:
                                  + ("" if selected == choice else ": not served here, the build's own runs"))
     if len(serving) == 1:
         library = cpu_native.load()
-        built = [kernel for kernel, has in (("fma", library.prefill_attention_bf16_fma_built()),
-                                            ("fp16", library.prefill_attention_bf16_fp16_built())) if has]
-        reason = (f"neither the float32-FMA nor the float16 function serves head_dim {head_dim}" if built
-                  else "no AVX-512F: no float32-FMA or float16 function")
+        built = [name for name, has in (("float32-FMA", library.prefill_attention_bf16_fma_built()),
+                                        ("float16", library.prefill_attention_bf16_fp16_built())) if has]
+        reason = (f"the {' and the '.join(built)} function{'s do' if len(built) > 1 else ' does'} not serve "
+                  f"head_dim {head_dim}" if built else "no AVX-512F: no float32-FMA or float16 function")
         return Bf16PrefillKernel(own, f"the build's own, untimed: {reason}")
     timings, errors = timer(arch, block_size, kernels=serving)
     for kernel, error in errors.items():

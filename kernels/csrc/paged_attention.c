@@ -1781,8 +1781,12 @@ int prefill_attention_bf16_fma_built(void) { return 0; }
  *   - Range: each query row is scaled by a power of 2 to a largest magnitude in [0.5, 1) and
  *     narrowed once per task; each key block's K and V by one power of 2 each (their largest
  *     magnitudes over the block's keys). bfloat16 -> float16 is exact over float16's normal
- *     range, every product is under 1 and every float16 sum under 32, whatever the model's
- *     scale; the powers of 2 are undone in float32 (exact).
+ *     range, every product is under 1 and every float16 sum under 32: nothing overflows,
+ *     whatever the model's scale; the powers of 2 are undone in float32 (exact). Precision is
+ *     float16's: a score's error is about 2^-11 of its largest partial sums, so wide scores or
+ *     a query dimension far above the others cost more than bfloat16's own rounding
+ *     (docs/benchmarks.md, "Where float16 costs accuracy"; cpu_prefill_bf16_kernel=fma is the
+ *     way back).
  *   - QK: 16 keys a vector, a pair of dimensions a 32-bit lane (K transposed in pairs, as
  *     prefill_task_fma does before widening); a broadcast pair of a query row gives each lane
  *     one product; even and odd lanes are added in float32 after each FP16_QK_PAIRS pairs (16:
@@ -1839,7 +1843,8 @@ static inline float fp16_range_scale(__m512i top) {
     memcpy(&m, &bits, sizeof m);
     if (!(m > 0.0f) || !isfinite(m)) return 1.0f;
     int e = -(ilogbf(m) + 1);
-    e = e > 126 ? 126 : e;
+    e = e > 126 ? 126 : e < -126 ? -126 : e;   /* a normal float32 (its inverse finite): a largest
+                                                 magnitude of 2^127 and more scales into [2, 4) */
     return ldexpf(1.0f, e);
 }
 
