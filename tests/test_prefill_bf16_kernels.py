@@ -193,6 +193,34 @@ def test_fp16_holds_whatever_the_magnitudes(query_scale: float, key_scale: float
 
 
 @needs_fp16
+@pytest.mark.parametrize("outlier", [2.0 ** 8, 2.0 ** 12])
+def test_fp16_tasks_with_a_query_outlier_run_the_fma_function(outlier: float) -> None:
+    """A query row with one dimension far above its others (past FP16_QUERY_OUTLIER times their
+    RMS) would lose float16 sums' accuracy: its task runs the float32-FMA function instead, so
+    with such a dimension in every row the output is the FMA function's, bit for bit, and within
+    the CPU paths' bound of the reference; without it the float16 function runs (another output)."""
+    seed = random.randrange(1 << 30)
+    batch, specs = prefill_batch(seed, (9, 3, 64, 16))
+    scale = 64 ** -0.5
+    plan = plan_attention_cpu(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              torch.zeros(batch.query.shape[0], dtype=torch.int64), 16)
+    keep = torch.ones(batch.query.shape[0], dtype=torch.bool)
+    keep[plan.decode_rows] = False
+
+    def through(kernel: str) -> torch.Tensor:
+        assert cpu_native.select_prefill_bf16_kernel(kernel) == kernel
+        return run_prefill(batch, plan, scale, None, None, None)[keep]
+
+    assert not torch.equal(through("fp16"), through("fma")), f"seed {seed}: the float16 function did not run"
+    batch.query[:, :, 7] *= outlier
+    expected = paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                                         batch.seq_lens, batch.block_tables, scale)[keep]
+    fp16, fma = through("fp16"), through("fma")
+    assert torch.equal(fp16, fma), f"seed {seed}, specs {specs}: a task with outlier queries ran float16 sums"
+    torch.testing.assert_close(fp16.float(), expected.float(), **CPU_TOLERANCES[BF16], msg=lambda m: f"seed {seed}: {m}")
+
+
+@needs_fp16
 def test_fp16_keeps_a_value_near_bfloat16s_largest_finite() -> None:
     """A value element of 2e38 (a block's power of 2 would be under float32's normals without the
     clamp, and its inverse infinite): every output stays finite, and the dimension holding it

@@ -1785,8 +1785,9 @@ int prefill_attention_bf16_fma_built(void) { return 0; }
  *     whatever the model's scale; the powers of 2 are undone in float32 (exact). Precision is
  *     float16's: a score's error is about 2^-11 of its largest partial sums, so wide scores or
  *     a query dimension far above the others cost more than bfloat16's own rounding
- *     (docs/benchmarks.md, "Where float16 costs accuracy"; cpu_prefill_bf16_kernel=fma is the
- *     way back).
+ *     (docs/benchmarks.md, "Where float16 costs accuracy"): a task whose query rows have such a
+ *     dimension runs prefill_task_fma instead (fp16_queries_fit); cpu_prefill_bf16_kernel=fma
+ *     is the way back for other cases.
  *   - QK: 16 keys a vector, a pair of dimensions a 32-bit lane (K transposed in pairs, as
  *     prefill_task_fma does before widening); a broadcast pair of a query row gives each lane
  *     one product; even and odd lanes are added in float32 after each FP16_QK_PAIRS pairs (16:
@@ -2074,6 +2075,30 @@ static inline __attribute__((always_inline)) void prefill_task_fp16(
     }
 }
 
+/* Whether a task's query rows suit float16 sums: no row has an element more than
+ * FP16_QUERY_OUTLIER times the RMS of its other elements. One dimension that far above the rest
+ * dominates every float16 partial sum of the scores and their error with it (2^8 above: 0.033 of
+ * the output's largest, against 0.0052 at 2^4; docs/benchmarks.md); such a task runs
+ * prefill_task_fma instead. Random rows of 128 have a ratio of about 3-4. */
+#define FP16_QUERY_OUTLIER 32.0f
+static int fp16_queries_fit(const bf16_t *query, int64_t row0, int64_t i0, int64_t i1, int64_t g, int64_t group,
+                            int64_t num_heads, int64_t head_dim) {
+    for (int64_t i = i0; i < i1; ++i)
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const bf16_t *row = query + ((row0 + i) * num_heads + h) * head_dim;
+            float top = 0.0f, squares = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float x = bf16_to_f32(row[d]);
+                squares += x * x;
+                top = fabsf(x) > top ? fabsf(x) : top;
+            }
+            const float rest = (squares - top * top) / (float)(head_dim - 1);
+            if (!(top * top <= FP16_QUERY_OUTLIER * FP16_QUERY_OUTLIER * (rest > 0.0f ? rest : 0.0f)) && top > 0.0f)
+                return 0;
+        }
+    return 1;
+}
+
 static void prefill_task_fp16_any(const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
                                   int64_t context_len, const int32_t *table, const bf16_t *key_cache,
                                   const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
@@ -2093,6 +2118,11 @@ static void prefill_task_fp16_any(const bf16_t *query, bf16_t *out, int64_t row0
 int prefill_attention_bf16_fp16_built(void) { return 1; }
 #else
 static int fp16_path_fits(int64_t head_dim) { (void)head_dim; return 0; }
+static int fp16_queries_fit(const bf16_t *query, int64_t row0, int64_t i0, int64_t i1, int64_t g, int64_t group,
+                            int64_t num_heads, int64_t head_dim) {
+    (void)query, (void)row0, (void)i0, (void)i1, (void)g, (void)group, (void)num_heads, (void)head_dim;
+    return 0;
+}
 int prefill_attention_bf16_fp16_built(void) { return 0; }
 #endif
 
@@ -2163,8 +2193,12 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
                                   PREFILL_ROWS_AT_ONCE;
         /* A window at least as long as the sequence hides no key: such tasks run unwindowed. */
         const int64_t task_window = window > 0 && window < seq_lens[s] ? window : 0;
+        /* a float16 task whose queries do not suit float16 sums runs the float32-FMA function */
+        const int task_fp16 = fp16 && fp16_queries_fit((const bf16_t *)query, q_starts[s], i0, i1, g, group,
+                                                       num_heads, head_dim);
+        (void)task_fp16;   /* builds without AVX-512F run neither */
 #if defined(__AVX512F__)
-        if (fma) {
+        if (fma || (fp16 && !task_fp16)) {
             const int64_t fma_rows = (group * FMA_QUERY_TILE + FMA_ROW_BLOCK - 1) / FMA_ROW_BLOCK * FMA_ROW_BLOCK;
             const int64_t bytes = (prefill_fma_scratch_bytes(fma_rows, head_dim) + 63) / 64 * 64;
             float *scratch = aligned_alloc(64, bytes);
@@ -2181,7 +2215,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
         }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512FP16__)
-        if (fp16) {
+        if (task_fp16) {
             const int64_t fp16_rows = (group * FMA_QUERY_TILE + FP16_ROW_BLOCK - 1) / FP16_ROW_BLOCK * FP16_ROW_BLOCK;
             void *scratch = aligned_alloc(64, (prefill_fp16_scratch_bytes(fp16_rows, head_dim) + 63) / 64 * 64);
             if (scratch == NULL) {
