@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from backend.config import EngineConfig
+from backend.config import CPU_PREFILL_BF16_KERNEL_CHOICES, EngineConfig
 from backend.model.architecture import ModelArchitecture
 from backend.model import prefill_attention_choice as choice_module
 from backend.model.cpu_features import detect
@@ -409,6 +409,8 @@ def test_a_head_size_only_fma_serves_times_dp_and_fma() -> None:
 
 @needs_kernels
 def test_unknown_kernel_names_are_refused() -> None:
+    # the engine parameter's choices: "auto" and the library's functions (backend.config imports no torch)
+    assert CPU_PREFILL_BF16_KERNEL_CHOICES == ("auto", *cpu_native.PREFILL_BF16_KERNELS)
     with pytest.raises(ValueError, match="cpu_prefill_bf16_kernel"):
         choose_bf16_prefill_kernel(arch(), 16, "fastest")
     with pytest.raises(ValueError, match="cpu_prefill_bf16_kernel"):
