@@ -15,6 +15,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import random
 import re
 import shutil
 import signal
@@ -54,14 +55,58 @@ def terminate_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+# Ports for our servers are picked below the kernel's ephemeral range: the kernel hands ports in
+# that range to outgoing connections, so a port found free there can be taken by any client's
+# connect() before the server binds it (a replica once failed to start "already in use" so).
+PORT_FLOOR = 20000
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_ports_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default if unreadable)."""
+    try:
+        low, high = (int(field) for field in EPHEMERAL_RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together, so they differ)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
+    """n distinct free TCP ports on 127.0.0.1, below the ephemeral range where it leaves room
+    (else the kernel's pick), held open together so they differ, and never one this process
+    handed out before (a server launched from an earlier call may not have bound it yet)."""
+    low = ephemeral_port_range()[0]
+    candidates = list(range(PORT_FLOOR, low))
+    random.shuffle(candidates)
+    sockets: list[socket.socket] = []
+    with _ports_lock:
+        try:
+            for port in candidates:
+                if len(sockets) == n:
+                    break
+                if port in _ports_handed_out:
+                    continue
+                sock = socket.socket()
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    sock.close()
+                    continue
+                sockets.append(sock)
+            while len(sockets) < n:   # no room below the ephemeral range
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", 0))
+                if sock.getsockname()[1] in _ports_handed_out:
+                    sock.close()
+                    continue
+                sockets.append(sock)
+            ports = [sock.getsockname()[1] for sock in sockets]
+            _ports_handed_out.update(ports)
+        finally:
+            for sock in sockets:
+                sock.close()
     return ports
 
 
