@@ -17,8 +17,8 @@ CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch", "measure")
 # The kernel for prompts' attention on CPU (backend/model/prefill_attention_choice.py resolves "auto").
 CPU_PREFILL_ATTENTION_CHOICES = ("auto", "native", "sdpa", "measure")
 # cpu_prefill_bf16_kernel: timed at start-up, or one of our bfloat16 prefill functions
-# (kernels/cpu_native.PREFILL_BF16_KERNELS names the same three).
-CPU_PREFILL_BF16_KERNEL_CHOICES = ("auto", "dp", "fma", "fp16")
+# (kernels/cpu_native.PREFILL_BF16_KERNELS names the same four).
+CPU_PREFILL_BF16_KERNEL_CHOICES = ("auto", "dp", "fma", "fp16", "dp-pv")
 
 
 # Where KV-cache events may go (kv_events_endpoint, kv_events_replay_endpoint).
@@ -92,9 +92,11 @@ class EngineConfig:
                                                # then float32); None: timed at start-up, on where 10% faster
                                                # and every weight under 1024; 0: never
                                                # (backend/model/cpu_linear_tuning.choose_fp16_rows)
-    cpu_prefill_bf16_kernel: Literal["auto", "dp", "fma", "fp16"] = "auto"  # CPU bfloat16 prompt attention,
-                                               # ours: the build's own function (dp), the float32-FMA one
-                                               # (fma, AVX-512F) or the float16 one (fp16, AVX512-FP16);
+    cpu_prefill_bf16_kernel: Literal["auto", "dp", "fma", "fp16", "dp-pv"] = "auto"  # CPU bfloat16 prompt
+                                               # attention, ours: the build's own function (dp), the
+                                               # float32-FMA one (fma, AVX-512F), the float16 one (fp16,
+                                               # AVX512-FP16) or dp with P x V in dot products (dp-pv,
+                                               # AVX512_BF16; probabilities rounded to bfloat16);
                                                # auto: timed at start-up
                                                # (backend/model/prefill_attention_choice.py)
     fused_layer_ops: bool = True               # residual add + RMSNorm, RoPE + KV write, SiLU x up fused: in C on CPU

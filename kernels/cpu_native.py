@@ -163,6 +163,7 @@ def _signatures() -> dict[str, tuple[object, list]]:
         "attention_soft_cap": (None, [_P, _I64, _F]),     # the scores' soft cap alone, for tests
         "prefill_attention_bf16_fma_built": (_INT, []),
         "prefill_attention_bf16_fp16_built": (_INT, []),
+        "prefill_attention_bf16_dp_pv_built": (_INT, []),
         "prefill_attention_bf16_select": (_INT, [_INT]),
         "prefill_attention_bf16_selected": (_INT, []),
         "prefill_attention_bf16_path": (_INT, [_I64]),
@@ -234,18 +235,21 @@ def _packed_linear(kernel: str, out_dtype: torch.dtype, x: torch.Tensor, packed:
 ATTENTION_PATHS = {0: "generic", 1: "avx2", 2: "avx512-bf16"}
 
 
-# prefill_attention_bf16_path()'s answer beyond ATTENTION_PATHS: the float32-FMA and float16
-# bfloat16 prefills.
-PREFILL_BF16_PATHS = {**ATTENTION_PATHS, 3: "avx512-fma", 4: "avx512-fp16"}
+# prefill_attention_bf16_path()'s answer beyond ATTENTION_PATHS: the float32-FMA, float16 and
+# dot-products-for-both bfloat16 prefills.
+PREFILL_BF16_PATHS = {**ATTENTION_PATHS, 3: "avx512-fma", 4: "avx512-fp16", 5: "avx512-dp-pv"}
 
 # Our bfloat16 prefill functions, as prefill_attention_bf16_select numbers them: the build's own
-# (attention_path's), the float32-FMA one (AVX-512F builds), the float16 one (AVX512-FP16 builds).
-PREFILL_BF16_KERNELS = ("dp", "fma", "fp16")
+# (attention_path's), the float32-FMA one (AVX-512F builds), the float16 one (AVX512-FP16 builds),
+# the build's own dot products with P x V in dot products too, the probabilities rounded to
+# bfloat16 (AVX512_BF16 builds).
+PREFILL_BF16_KERNELS = ("dp", "fma", "fp16", "dp-pv")
 
 
 def prefill_bf16_path(head_dim: int, library: ctypes.CDLL | None = None) -> str:
-    """Which function a build's bfloat16 prefill runs now at this head size: ``avx512-fma`` or
-    ``avx512-fp16`` (where ``select_prefill_bf16_kernel`` selected it and the size fits) or
+    """Which function a build's bfloat16 prefill runs now at this head size: ``avx512-fma``,
+    ``avx512-fp16`` or ``avx512-dp-pv`` (where ``select_prefill_bf16_kernel`` selected it and the
+    size fits) or
     ``attention_path``'s answer."""
     library = load() if library is None else library
     assert library is not None, "check load() before calling"

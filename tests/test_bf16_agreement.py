@@ -51,10 +51,13 @@ def prompts(mixed_prompts: list[list[int]]) -> list[list[int]]:
 # 64 rows (where the build has it: AVX512-FP16), which sums in float16, whatever the timing says;
 # "fp16-matmuls=never": without it; "fp16-attention": prompts through the float16 prefill function
 # (where built: AVX512-FP16; float16 products and sums of 16 and 32), "fma-attention": through the
-# float32-FMA one, whatever the timing says. All held to the same floors.
+# float32-FMA one, "dp-pv-attention": through the dot-product one with P x V in dot products
+# (bfloat16 probabilities; where built: AVX512_BF16), whatever the timing says. All held to the
+# same floors.
 OPTIONS = {"prefill_attention=auto": {}, "prefill_attention=sdpa": {"cpu_prefill_attention": "sdpa"},
            "fp16-matmuls": {"cpu_linear_fp16_rows": 64}, "fp16-matmuls=never": {"cpu_linear_fp16_rows": 0},
-           "fp16-attention": {"cpu_prefill_bf16_kernel": "fp16"}, "fma-attention": {"cpu_prefill_bf16_kernel": "fma"}}
+           "fp16-attention": {"cpu_prefill_bf16_kernel": "fp16"}, "fma-attention": {"cpu_prefill_bf16_kernel": "fma"},
+           "dp-pv-attention": {"cpu_prefill_bf16_kernel": "dp-pv"}}
 
 
 @pytest.fixture(scope="module", params=list(OPTIONS))

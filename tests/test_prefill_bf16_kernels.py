@@ -1,5 +1,6 @@
 """Our bfloat16 prefill functions beyond the build's own (kernels/csrc/paged_attention.c: the
-float32-FMA one, prefill_task_fma, and the float16 one, prefill_task_fp16) against the reference
+float32-FMA one, prefill_task_fma, the float16 one, prefill_task_fp16, and the dot-product one with
+P x V in dot products too, prefill_task_dp's PV_DP) against the reference
 (kernels/reference.py is the spec), and the start-up choice among them and the build's own
 (backend/model/prefill_attention_choice.py, ``choose_bf16_prefill_kernel``).
 
@@ -7,7 +8,8 @@ Batches come from tests/paged_batches.py (permuted block tables, NaN in every sl
 owns and in the block table padding points at), with NaN also in every slot before each
 sequence's window where there is one: a read outside what a query may see shows up. The
 float32-FMA function is built wherever the compiler targets AVX-512F, the float16 one where it
-targets AVX512-FP16; elsewhere their tests are NOT RUN and say why. A function is selected for
+targets AVX512-FP16, dp-pv where it targets AVX512_BF16; elsewhere their tests are NOT RUN and say
+why. A function is selected for
 this process around each test and the build's own after.
 """
 
@@ -41,8 +43,8 @@ def built(kernel: str) -> bool:
     library = cpu_native.load()
     if library is None:
         return False
-    return bool(library.prefill_attention_bf16_fma_built() if kernel == "fma"
-                else library.prefill_attention_bf16_fp16_built())
+    return bool({"fma": library.prefill_attention_bf16_fma_built, "fp16": library.prefill_attention_bf16_fp16_built,
+                 "dp-pv": library.prefill_attention_bf16_dp_pv_built}[kernel]())
 
 
 needs_fma = pytest.mark.skipif(
@@ -51,17 +53,24 @@ needs_fma = pytest.mark.skipif(
 needs_fp16 = pytest.mark.skipif(
     "avx512_fp16" not in detect().flags or not built("fp16"),
     reason="NOT RUN: the float16 bfloat16 prefill needs AVX512-FP16 (and the C kernels), which this CPU lacks")
-NEEDS = {"fma": needs_fma, "fp16": needs_fp16}
-PATHS = {"fma": "avx512-fma", "fp16": "avx512-fp16"}
+needs_dp_pv = pytest.mark.skipif(
+    "avx512_bf16" not in detect().flags or not built("dp-pv"),
+    reason="NOT RUN: the bfloat16 prefill with P x V in dot products needs AVX512_BF16 (and the C kernels), "
+           "which this CPU lacks")
+NEEDS = {"fma": needs_fma, "fp16": needs_fp16, "dp-pv": needs_dp_pv}
+PATHS = {"fma": "avx512-fma", "fp16": "avx512-fp16", "dp-pv": "avx512-dp-pv"}
 # The float32-FMA function does the reference's float32 arithmetic in another order: the CPU
 # paths' bfloat16 bound. The float16 one rounds the probabilities to float16 and sums products in
 # float16 (32 at most): the bound shared with torch's SDPA and the Triton kernel, which round the
 # probabilities to bfloat16, and its largest error under 2^-6 of the output's largest magnitude.
-KERNEL_TOLERANCES = {"fma": CPU_TOLERANCES[BF16], "fp16": TOLERANCES[BF16]}
+# dp-pv rounds the probabilities to bfloat16 as those do: their bound and the same largest error.
+KERNEL_TOLERANCES = {"fma": CPU_TOLERANCES[BF16], "fp16": TOLERANCES[BF16], "dp-pv": TOLERANCES[BF16]}
+ROUNDED_P_KERNELS = ("fp16", "dp-pv")
 FP16_MAX_RELATIVE_ERROR = 2.0 ** -6
 # head sizes each serves (others keep the build's own)
 SERVES = {"fma": lambda d: (d % 16 == 0 and 32 <= d <= 128) or d == 256,
-          "fp16": lambda d: d in (32, 64, 96, 128, 256)}
+          "fp16": lambda d: d in (32, 64, 96, 128, 256),
+          "dp-pv": lambda d: d in (32, 64, 128)}
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +123,7 @@ SHAPE_CASES = [(shape, case) for shape in SHAPES for case in CASES
                if shape[2] != 256 or case in (CASES[0], CASES[2], CASES[6])]
 KERNEL_SHAPE_CASES = [pytest.param(kernel, shape, case, marks=NEEDS[kernel],
                                    id=f"{kernel}-{shape_id(shape)}-{case_id(case)}")
-                      for kernel in ("fma", "fp16") for shape, case in SHAPE_CASES if SERVES[kernel](shape[2])]
+                      for kernel in ("fma", "fp16", "dp-pv") for shape, case in SHAPE_CASES if SERVES[kernel](shape[2])]
 
 
 @pytest.mark.parametrize("kernel,shape,case", KERNEL_SHAPE_CASES)
@@ -150,7 +159,7 @@ def test_prefill_matches_reference(kernel: str, shape: tuple[int, int, int, int]
             actual = run_prefill(batch, plan, scale, window, sinks, softcap)
             torch.testing.assert_close(actual[prefill_rows].float(), expected[prefill_rows].float(),
                                        **KERNEL_TOLERANCES[kernel], msg=lambda m: f"{n} threads, {context}: {m}")
-            if kernel == "fp16":
+            if kernel in ROUNDED_P_KERNELS:
                 error = ((actual[prefill_rows].float() - expected[prefill_rows].float()).abs().max()
                          / expected[prefill_rows].float().abs().max()).item()
                 assert error < FP16_MAX_RELATIVE_ERROR, f"{n} threads, {context}: relative error {error:.3g}"
@@ -163,15 +172,17 @@ def test_prefill_matches_reference(kernel: str, shape: tuple[int, int, int, int]
         torch.set_num_threads(threads)
 
 
-@needs_fp16
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ROUNDED_P_KERNELS])
 @pytest.mark.parametrize("query_scale,key_scale,value_scale", [(1e5, 1e-5, 1e5), (1e-4, 1e4, 1e-6), (1.0, 1.0, 3e4),
                                                                (1.0, 6.0, 1.0)],
                          ids=["past-float16-max", "under-float16-normals", "value-sums-past-float16", "peaked-scores"])
-def test_fp16_holds_whatever_the_magnitudes(query_scale: float, key_scale: float, value_scale: float) -> None:
+def test_rounded_probabilities_hold_whatever_the_magnitudes(kernel: str, query_scale: float, key_scale: float,
+                                                            value_scale: float) -> None:
     """The float16 function scales queries, K and V by powers of 2 into float16's range: elements
     past float16's largest (65504) or under its smallest normal, and value sums that would pass
     it, give the reference's result within the same relative bound; so do scores 6x wider (a
-    score's float16 error grows with its magnitude)."""
+    score's float16 error grows with its magnitude). dp-pv (bfloat16 probabilities, float32 sums)
+    holds the same bound on the same data."""
     seed = random.randrange(1 << 30)
     batch, specs = prefill_batch(seed, (9, 3, 64, 16))
     batch.query.mul_(query_scale)
@@ -184,7 +195,7 @@ def test_fp16_holds_whatever_the_magnitudes(query_scale: float, key_scale: float
                               torch.zeros(batch.query.shape[0], dtype=torch.int64), 16)
     keep = torch.ones(batch.query.shape[0], dtype=torch.bool)
     keep[plan.decode_rows] = False
-    assert cpu_native.select_prefill_bf16_kernel("fp16") == "fp16"
+    assert cpu_native.select_prefill_bf16_kernel(kernel) == kernel
     actual = run_prefill(batch, plan, scale, None, None, None)[keep].float()
     reference = expected[keep].float()
     assert actual.isfinite().all(), f"seed {seed}, specs {specs}: non-finite outputs"
@@ -244,7 +255,7 @@ def test_fp16_keeps_a_value_near_bfloat16s_largest_finite() -> None:
     torch.testing.assert_close(out[3:, :, 5].float(), expected[3:, :, 5], rtol=FP16_MAX_RELATIVE_ERROR, atol=0)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16")])
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16", "dp-pv")])
 def test_the_selection_is_per_process_and_only_for_sizes_it_serves(kernel: str) -> None:
     """Selected: bfloat16 prefills at the head sizes it serves take it (others, and float32, keep
     their functions, which decode shares); the build's own again after."""
@@ -283,14 +294,14 @@ def path_of(kernel: str, head_dim: int = 64) -> str:
     return PATHS.get(kernel) or cpu_native.attention_path(BF16, head_dim)
 
 
-@pytest.mark.parametrize("forced", ["dp", pytest.param("fma", marks=needs_fma), pytest.param("fp16", marks=needs_fp16)])
+@pytest.mark.parametrize("forced", ["dp", *(pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16", "dp-pv"))])
 def test_forcing_each_kernel_works(forced: str) -> None:
     """An explicit choice (EngineConfig.cpu_prefill_bf16_kernel) is taken untimed and selected;
     the model's prefills then run it (the reference's output within its bound either way)."""
     if cpu_native.load() is None:
         pytest.skip("NOT RUN: the C kernels did not build here")
     expected = path_of(forced)
-    timer = FakeTimer({"dp": 1.0, "fma": 1.0, "fp16": 1.0})
+    timer = FakeTimer({"dp": 1.0, "fma": 1.0, "fp16": 1.0, "dp-pv": 1.0})
     chosen = choose_bf16_prefill_kernel(arch(), 16, forced, timer=timer)
     assert chosen.kernel == expected == cpu_native.prefill_bf16_path(64) and timer.calls == 0
     assert f"cpu_prefill_bf16_kernel={forced}" in chosen.why
@@ -325,6 +336,21 @@ def test_auto_takes_the_faster_by_the_margin(timings: dict[str, float], picked: 
     assert "timed at start-up" in chosen.why
 
 
+@needs_dp_pv
+@needs_fma
+@pytest.mark.parametrize("timings,picked", [({"dp": 2.0, "fma": 2.2, "dp-pv": 1.5}, "dp-pv"),
+                                            ({"dp": 2.0, "fma": 1.4, "dp-pv": 1.5}, "fma"),
+                                            ({"dp": 2.0, "fma": 2.2, "dp-pv": 2.0 / FMA_MARGIN * 1.001}, "dp")],
+                         ids=["dp-pv-fastest", "fma-fastest", "dp-pv-within-margin"])
+def test_auto_times_dp_pv_where_built(timings: dict[str, float], picked: str) -> None:
+    """With AVX512_BF16, the dot-product function with P x V in dot products is timed beside the
+    others and runs where it is the fastest past the margin."""
+    timer = FakeTimer(timings)
+    chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
+    assert "dp-pv" in timer.kernels
+    assert chosen.kernel == path_of(picked) == cpu_native.prefill_bf16_path(64)
+
+
 @needs_fp16
 @pytest.mark.parametrize("timings,picked", [({"dp": 3.0, "fma": 2.0, "fp16": 1.5}, "fp16"),
                                             ({"dp": 3.0, "fma": 1.5, "fp16": 2.0}, "fma"),
@@ -336,11 +362,11 @@ def test_auto_takes_the_fastest_of_three(timings: dict[str, float], picked: str)
     build's own only past the margin."""
     timer = FakeTimer(timings)
     chosen = choose_bf16_prefill_kernel(arch(), 16, "auto", timer=timer)
-    assert timer.kernels == ("dp", "fma", "fp16")
+    assert timer.kernels[:3] == ("dp", "fma", "fp16")
     assert chosen.kernel == path_of(picked) == cpu_native.prefill_bf16_path(64)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16")])
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=NEEDS[k]) for k in ("fma", "fp16", "dp-pv")])
 def test_a_wrong_kernel_is_never_chosen(kernel: str, caplog: pytest.LogCaptureFixture) -> None:
     serving = kernels_serving(64)
     timer = FakeTimer({"dp": 2.0}, {k: 0.5 if k == kernel else 0.0 for k in serving})
@@ -372,6 +398,9 @@ class NoAvx512Library:
         return 0
 
     def prefill_attention_bf16_fp16_built(self) -> int:
+        return 0
+
+    def prefill_attention_bf16_dp_pv_built(self) -> int:
         return 0
 
     def prefill_attention_bf16_select(self, kernel: int) -> int:

@@ -29,16 +29,18 @@ where the compiler targets them, else the AVX2 one), the float32-FMA one (``fma`
 to float32 once per key block, 512-bit FMAs; built wherever AVX-512F is) or the float16 one
 (``fp16``: K, V and the queries narrowed to float16 by powers of 2, float16 FMAs, sums in float32
 after 16 products for the scores and 32 for the values; a task whose queries hold an outlier
-dimension runs the float32-FMA one; built wherever AVX512-FP16 is). Where ``vdpbf16ps`` runs at
-half the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is faster than the first, and
-where a float16 FMA does twice a float32 one's products at the same rate the third is faster still;
-on CPUs with full-rate dot products the first may win. So it is timed here, never read off the
+dimension runs the float32-FMA one; built wherever AVX512-FP16 is) or the build's own with P x V
+in dot products too (``dp-pv``: the probabilities rounded to bfloat16, as torch's SDPA does,
+pairs of keys per 32-bit lane; built wherever AVX512_BF16 is). Where ``vdpbf16ps`` runs at half
+the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is faster than the first, and where
+a float16 FMA does twice a float32 one's products at the same rate the third is faster still; where
+the dot product runs at the FMA's rate (AMD Zen 4) the fourth does P x V in half the instructions. So it is timed here, never read off the
 CPU's name: one prefill (``BF16_TILE``: new tokens over cached context) at the model's head shape,
 each function's best of ``BF16_ROUNDS`` alternating calls, after each is checked against the
 reference; the fastest runs, another than the build's own only where it beats the build's own by
 ``FMA_MARGIN``. Functions the build lacks, or that do not serve the model's head size, are not
 timed; where neither other one serves, the build's own runs, untimed. ``cpu_prefill_bf16_kernel``
-(EngineConfig: ``auto``, ``dp``, ``fma``, ``fp16``) forces it. The choice is process-wide (the C
+(EngineConfig: ``auto``, ``dp``, ``fma``, ``fp16``, ``dp-pv``) forces it. The choice is process-wide (the C
 decoder's prefills take it too); the start-up log names the function and the timings.
 """
 
@@ -75,10 +77,10 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -5}
 Timings = dict[tuple[int, int], dict[PrefillAttention, float]]   # (new tokens, context) -> path -> best ms
 
 # The bfloat16 prefill functions of ours (choose_bf16_prefill_kernel): the build's own, the
-# float32-FMA one, the float16 one.
+# float32-FMA one, the float16 one, the build's own with P x V in dot products.
 BF16_KERNELS = cpu_native.PREFILL_BF16_KERNELS
 BF16_TILE = (256, 768)         # (new tokens, cached context) of the timed prefill: a chunk of a long prompt
-# fma or fp16 must be this much faster than the build's own (ties keep the build's own, which the
+# Another function must be this much faster than the build's own (ties keep the build's own, which the
 # engine ran before).
 FMA_MARGIN = 1.03
 
@@ -251,7 +253,9 @@ def choose_bf16_prefill_kernel(arch: ModelArchitecture, block_size: int, choice:
     if len(serving) == 1:
         library = cpu_native.load()
         built = [name for name, has in (("float32-FMA", library.prefill_attention_bf16_fma_built()),
-                                        ("float16", library.prefill_attention_bf16_fp16_built())) if has]
+                                        ("float16", library.prefill_attention_bf16_fp16_built()),
+                                        ("dot-product P x V", library.prefill_attention_bf16_dp_pv_built()))
+                 if has]
         reason = (f"the {' and the '.join(built)} function{'s do' if len(built) > 1 else ' does'} not serve "
                   f"head_dim {head_dim}" if built else "no AVX-512F: no float32-FMA or float16 function")
         return Bf16PrefillKernel(own, f"the build's own, untimed: {reason}")

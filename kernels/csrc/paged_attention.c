@@ -1363,7 +1363,13 @@ static void prefill_task_lanes(const void *query, void *out, int is_bf16, int64_
  *     sums are reduced together (reduce_lanes_16), their corrections are one vector exp;
  *   - V is widened once per block into even / odd lanes (shift / mask), and each row's output
  *     is kept split that way until the end, as in the decode path.
- * Scores are scaled after the dot product (prefill_task scales the query first). */
+ * Scores are scaled after the dot product (prefill_task scales the query first).
+ * With PV_DP (the "dp-pv" function, prefill_attention_bf16_select), P x V is dot products too:
+ * each row's probabilities are rounded to bfloat16 (as torch's SDPA and flash attention do
+ * before P x V) and a block's V is laid out as pairs of keys, [KEY_BLOCK / 2][head_dim] 32-bit
+ * lanes holding dimension d of keys 2k and 2k + 1, so one _mm512_dpbf16_ps adds two keys'
+ * products to 16 output dimensions: half the instructions of the float32 FMAs, which on CPUs
+ * whose dot product runs at the FMA's rate held the whole function to the FMA's pace. */
 #define PREFILL_ROW_BLOCK 16
 
 /* Scratch bytes prefill_task_dp needs for ``rows`` (a multiple of PREFILL_ROW_BLOCK). */
@@ -1375,23 +1381,30 @@ static int64_t prefill_dp_scratch_bytes(int64_t rows, int64_t head_dim) {
            + sizeof(float) * PREFILL_ROW_BLOCK * (PREFILL_KEY_BLOCK + 2);  /* probabilities, maxima, corrections */
 }
 
-/* VEC: head_dim / 32; CAPPED: softcap != 0. Both constants (prefill_task_dp_any). */
+/* VEC: head_dim / 32; CAPPED: softcap != 0; PV_DP: P x V in dot products. Constants
+ * (prefill_task_dp_any). */
 static inline __attribute__((always_inline)) void prefill_task_dp(
-        const int VEC, const int CAPPED, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
+        const int VEC, const int CAPPED, const int PV_DP, const bf16_t *query, bf16_t *out, int64_t row0, int64_t i0, int64_t i1,
         int64_t context_len, const int32_t *table, const bf16_t *key_cache, const bf16_t *value_cache, int64_t g,
         int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale, int64_t window, const float *sinks,
         float softcap, int64_t rows, void *scratch) {
     const int64_t head_dim = 32 * VEC, group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t real_rows = group * (i1 - i0);
     bf16_t *restrict q = scratch;                                /* [rows][head_dim] */
-    float *restrict o = (float *)(q + rows * head_dim);          /* [rows][VEC][even 16, odd 16] */
+    float *restrict o = (float *)(q + rows * head_dim);          /* [rows][VEC][even 16, odd 16]; PV_DP: [rows][head_dim] */
     float *restrict row_max = o + rows * head_dim;               /* [rows] */
     float *restrict row_sum = row_max + rows;                    /* [rows] */
     uint32_t *restrict kp = (uint32_t *)(row_sum + rows);        /* [head_dim / 2][KEY_BLOCK] */
     float *restrict vs = (float *)(kp + head_dim / 2 * PREFILL_KEY_BLOCK);   /* [KEY_BLOCK][VEC][even, odd] */
+    uint32_t *restrict vp = (uint32_t *)vs;                      /* PV_DP: [KEY_BLOCK / 2][head_dim] key pairs */
     float *restrict p = vs + PREFILL_KEY_BLOCK * head_dim;       /* [ROW_BLOCK][KEY_BLOCK] */
+    bf16_t *restrict pb = (bf16_t *)p;                           /* PV_DP: [ROW_BLOCK][KEY_BLOCK] */
     float *restrict new_max = p + PREFILL_ROW_BLOCK * PREFILL_KEY_BLOCK, *restrict correction = new_max + PREFILL_ROW_BLOCK;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    /* PV_DP: dimensions 0-15 / 16-31 of a 32-element slice of keys a and b, interleaved a, b */
+    const __m512i first_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r / group, h = g * group + r % group;
         if (r < real_rows) memcpy(q + r * head_dim, query + ((row0 + i) * num_heads + h) * head_dim, sizeof(bf16_t) * head_dim);
@@ -1403,19 +1416,31 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
     const int64_t last_key = context_len + i1 - 1;     /* the tile's last query sees keys 0..last_key */
     for (int64_t j0 = prefill_first_key(context_len + i0, window); j0 <= last_key; j0 += PREFILL_KEY_BLOCK) {
         const int64_t keys = last_key + 1 - j0 < PREFILL_KEY_BLOCK ? last_key + 1 - j0 : PREFILL_KEY_BLOCK;
+        if (PV_DP) {   /* V as pairs of keys; past the keys: zeros (never NaN from memory) */
+            for (int64_t t = 0; t < PREFILL_KEY_BLOCK; t += 2) {
+                const bf16_t *a = t < keys ? value_cache + token_offset(table, j0 + t, block_size, token_stride) + g * head_dim : NULL;
+                const bf16_t *b = t + 1 < keys ? value_cache + token_offset(table, j0 + t + 1, block_size, token_stride) + g * head_dim : NULL;
+                for (int j = 0; j < VEC; ++j) {
+                    const __m512i va = a ? _mm512_loadu_si512(a + 32 * j) : _mm512_setzero_si512();
+                    const __m512i vb = b ? _mm512_loadu_si512(b + 32 * j) : _mm512_setzero_si512();
+                    _mm512_storeu_si512(vp + t / 2 * head_dim + 32 * j, _mm512_permutex2var_epi16(va, first_half, vb));
+                    _mm512_storeu_si512(vp + t / 2 * head_dim + 32 * j + 16, _mm512_permutex2var_epi16(va, second_half, vb));
+                }
+            }
+        }
         for (int64_t t = 0; t < PREFILL_KEY_BLOCK; ++t) {
             if (t < keys) {
                 const int64_t at = token_offset(table, j0 + t, block_size, token_stride) + g * head_dim;
                 const uint32_t *pairs = (const uint32_t *)(key_cache + at);
                 for (int64_t d = 0; d < head_dim / 2; ++d) kp[d * PREFILL_KEY_BLOCK + t] = pairs[d];
-                for (int j = 0; j < VEC; ++j) {
+                if (!PV_DP) for (int j = 0; j < VEC; ++j) {
                     const __m512i pair = _mm512_loadu_si512(value_cache + at + 32 * j);
                     _mm512_storeu_ps(vs + t * head_dim + 32 * j, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
                     _mm512_storeu_ps(vs + t * head_dim + 32 * j + 16, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
                 }
             } else {   /* past the keys: zeros (never NaN from memory), masked below */
                 for (int64_t d = 0; d < head_dim / 2; ++d) kp[d * PREFILL_KEY_BLOCK + t] = 0;
-                memset(vs + t * head_dim, 0, sizeof(float) * head_dim);
+                if (!PV_DP) memset(vs + t * head_dim, 0, sizeof(float) * head_dim);
             }
         }
         for (int64_t r0 = 0; r0 < rows && r0 < real_rows; r0 += PREFILL_ROW_BLOCK) {
@@ -1456,9 +1481,39 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
             const __m512 scale_old = online_max_step(reduce_lanes_16(s, 1), row_max + r0, new_max, correction);
             _Pragma("GCC unroll 16") for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
                 s[rr] = _mm512_maskz_mov_ps(masks[rr], exp_ps512(_mm512_sub_ps(s[rr], _mm512_set1_ps(new_max[rr]))));
-                _mm512_storeu_ps(p + rr * PREFILL_KEY_BLOCK, s[rr]);
+                if (PV_DP) _mm256_storeu_si256((__m256i *)(pb + rr * PREFILL_KEY_BLOCK), (__m256i)_mm512_cvtneps_pbh(s[rr]));
+                else _mm512_storeu_ps(p + rr * PREFILL_KEY_BLOCK, s[rr]);
             }
             _mm512_storeu_ps(row_sum + r0, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r0), scale_old, reduce_lanes_16(s, 0)));
+            if (PV_DP) {   /* two rows at once (independent sums, one V load for both), a pair of keys a step */
+                for (int rr = 0; rr < PREFILL_ROW_BLOCK; rr += 2) {
+                    const int first = hidden[rr] < hidden[rr + 1] ? hidden[rr] : hidden[rr + 1];
+                    const int end = visible[rr] > visible[rr + 1] ? visible[rr] : visible[rr + 1];
+                    if (end <= first) continue;
+                    /* a row outside its range of this block has p = 0 and correction 1: unchanged */
+                    float *orow = o + (r0 + rr) * head_dim;
+                    const __m512 c0 = _mm512_set1_ps(correction[rr]), c1 = _mm512_set1_ps(correction[rr + 1]);
+                    __m512 acc0[2 * DP_MAX_VECTORS], acc1[2 * DP_MAX_VECTORS];
+                    for (int j = 0; j < 2 * VEC; ++j) {
+                        acc0[j] = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * j), c0);
+                        acc1[j] = _mm512_mul_ps(_mm512_loadu_ps(orow + head_dim + 16 * j), c1);
+                    }
+                    const uint32_t *w0 = (const uint32_t *)(pb + rr * PREFILL_KEY_BLOCK), *w1 = w0 + PREFILL_KEY_BLOCK / 2;
+                    for (int k = first / 2; k < (end + 1) / 2; ++k) {
+                        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)w0[k]), b = (__m512bh)_mm512_set1_epi32((int)w1[k]);
+                        for (int j = 0; j < 2 * VEC; ++j) {
+                            const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + k * head_dim + 16 * j);
+                            acc0[j] = _mm512_dpbf16_ps(acc0[j], a, v);
+                            acc1[j] = _mm512_dpbf16_ps(acc1[j], b, v);
+                        }
+                    }
+                    for (int j = 0; j < 2 * VEC; ++j) {
+                        _mm512_storeu_ps(orow + 16 * j, acc0[j]);
+                        _mm512_storeu_ps(orow + head_dim + 16 * j, acc1[j]);
+                    }
+                }
+                continue;
+            }
             for (int rr = 0; rr < PREFILL_ROW_BLOCK; ++rr) {
                 if (visible[rr] <= hidden[rr]) continue;
                 float *orow = o + (r0 + rr) * head_dim;
@@ -1477,6 +1532,10 @@ static inline __attribute__((always_inline)) void prefill_task_dp(
         const int64_t i = i0 + r / group, h = g * group + r % group;
         bf16_t *dst = out + ((row0 + i) * num_heads + h) * head_dim;
         const float inv = row_normaliser(row_sum[r], row_max[r], sinks == NULL ? NULL : sinks + h);
+        if (PV_DP) {
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(o[r * head_dim + d] * inv);
+            continue;
+        }
         for (int j = 0; j < VEC; ++j)
             for (int e = 0; e < 16; ++e) {
                 dst[32 * j + 2 * e] = f32_to_bf16(o[r * head_dim + 32 * j + e] * inv);
@@ -1489,18 +1548,16 @@ static void prefill_task_dp_any(const bf16_t *query, bf16_t *out, int64_t row0, 
                                 int64_t context_len, const int32_t *table, const bf16_t *key_cache,
                                 const bf16_t *value_cache, int64_t g, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                                const float *sinks, float softcap, int64_t rows, void *scratch) {
-#define TASK(V, C) prefill_task_dp(V, C, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, \
-                                   num_heads, num_kv_heads, block_size, scale, window, sinks, softcap, rows, scratch)
+                                const float *sinks, float softcap, int64_t rows, void *scratch, int pv_dp) {
+#define TASK(V, C, P) prefill_task_dp(V, C, P, query, out, row0, i0, i1, context_len, table, key_cache, value_cache, g, \
+                                      num_heads, num_kv_heads, block_size, scale, window, sinks, softcap, rows, scratch)
+#define BY_SIZE(C, P) { if (head_dim == 32) TASK(1, C, P); else if (head_dim == 64) TASK(2, C, P); else TASK(4, C, P); }
     if (softcap != 0.0f) {
-        if (head_dim == 32) TASK(1, 1);
-        else if (head_dim == 64) TASK(2, 1);
-        else TASK(4, 1);
+        if (pv_dp) BY_SIZE(1, 1) else BY_SIZE(1, 0)
     } else {
-        if (head_dim == 32) TASK(1, 0);
-        else if (head_dim == 64) TASK(2, 0);
-        else TASK(4, 0);
+        if (pv_dp) BY_SIZE(0, 1) else BY_SIZE(0, 0)
     }
+#undef BY_SIZE
 #undef TASK
 }
 #endif
@@ -2127,32 +2184,49 @@ int prefill_attention_bf16_fp16_built(void) { return 0; }
 #endif
 
 /* Which bfloat16 prefill function this process runs (prefill_attention_bf16_select). */
-enum prefill_bf16_kernel { PREFILL_BF16_OWN = 0, PREFILL_BF16_FMA = 1, PREFILL_BF16_FP16 = 2 };
+enum prefill_bf16_kernel { PREFILL_BF16_OWN = 0, PREFILL_BF16_FMA = 1, PREFILL_BF16_FP16 = 2, PREFILL_BF16_DP_PV = 3 };
 static int prefill_bf16_kernel = PREFILL_BF16_OWN;
 
+/* prefill_task_dp with P x V in dot products too: built with the dot-product function. */
+int prefill_attention_bf16_dp_pv_built(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Select the bfloat16 prefill function for this process: the build's own (0, until asked), the
- * float32-FMA one (1) or the float16 one (2); one the build lacks selects the build's own.
- * Returns the one now selected. */
+ * float32-FMA one (1), the float16 one (2) or the dot products for both products (3); one the
+ * build lacks selects the build's own. Returns the one now selected. */
 int prefill_attention_bf16_select(int kernel) {
     prefill_bf16_kernel = (kernel == PREFILL_BF16_FMA && prefill_attention_bf16_fma_built()) ||
-                          (kernel == PREFILL_BF16_FP16 && prefill_attention_bf16_fp16_built()) ? kernel : PREFILL_BF16_OWN;
+                          (kernel == PREFILL_BF16_FP16 && prefill_attention_bf16_fp16_built()) ||
+                          (kernel == PREFILL_BF16_DP_PV && prefill_attention_bf16_dp_pv_built()) ? kernel : PREFILL_BF16_OWN;
     return prefill_bf16_kernel;
 }
 
 int prefill_attention_bf16_selected(void) { return prefill_bf16_kernel; }
 
 /* Which function prefill() runs for bfloat16 at this head size: 3 for prefill_task_fma, 4 for
- * prefill_task_fp16 (where selected and the size fits), else attention_path(1, head_dim)'s answer. */
+ * prefill_task_fp16, 5 for prefill_task_dp with P x V in dot products (where selected and the
+ * size fits), else attention_path(1, head_dim)'s answer. */
 #define ATTENTION_AVX512_FMA 3
 #define ATTENTION_AVX512_FP16 4
+#define ATTENTION_AVX512_BF16_PV 5
 /* Queries per prefill_task_fma task: with a GQA group of 3, 192 rows share each widened K and V
  * block (32 queries, as the other prefill functions take, left the widening a larger share). */
 #ifndef FMA_QUERY_TILE
 #define FMA_QUERY_TILE 64
 #endif
+#ifndef DP_PV_QUERY_TILE
+#define DP_PV_QUERY_TILE 64
+#endif
 int prefill_attention_bf16_path(int64_t head_dim) {
     if (prefill_bf16_kernel == PREFILL_BF16_FMA && fma_path_fits(head_dim)) return ATTENTION_AVX512_FMA;
     if (prefill_bf16_kernel == PREFILL_BF16_FP16 && fp16_path_fits(head_dim)) return ATTENTION_AVX512_FP16;
+    if (prefill_bf16_kernel == PREFILL_BF16_DP_PV && prefill_attention_bf16_dp_pv_built() &&
+        attention_path(1, head_dim) == ATTENTION_AVX512_BF16) return ATTENTION_AVX512_BF16_PV;
     return attention_path(1, head_dim);
 }
 
@@ -2168,7 +2242,8 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
     /* the float32-FMA or float16 bfloat16 function where selected (prefill_attention_bf16_select) */
     const int bf16_path = is_bf16 ? prefill_attention_bf16_path(head_dim) : -1;
     const int fma = bf16_path == ATTENTION_AVX512_FMA, fp16 = bf16_path == ATTENTION_AVX512_FP16;
-    const int64_t query_tile = fma || fp16 ? FMA_QUERY_TILE : PREFILL_QUERY_TILE;
+    const int dp_pv = bf16_path == ATTENTION_AVX512_BF16_PV;
+    const int64_t query_tile = fma || fp16 ? FMA_QUERY_TILE : dp_pv ? DP_PV_QUERY_TILE : PREFILL_QUERY_TILE;
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
         num_tasks += num_kv_heads * ((q_lens[s] + query_tile - 1) / query_tile);
@@ -2232,8 +2307,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if (attention_path(is_bf16, head_dim) == ATTENTION_AVX512_BF16) {
-            const int64_t dp_rows = (group * PREFILL_QUERY_TILE + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK *
-                                    PREFILL_ROW_BLOCK;
+            const int64_t dp_rows = (group * query_tile + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK * PREFILL_ROW_BLOCK;
             void *scratch = malloc(prefill_dp_scratch_bytes(dp_rows, head_dim));
             if (scratch == NULL) {
                 failed = 1;
@@ -2243,7 +2317,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
                                 block_tables + s * block_table_stride, key_cache, value_cache, g, num_heads,
                                 num_kv_heads, head_dim, block_size, scale, task_window, sinks, softcap,
                                 (group * (i1 - i0) + PREFILL_ROW_BLOCK - 1) / PREFILL_ROW_BLOCK * PREFILL_ROW_BLOCK,
-                                scratch);
+                                scratch, dp_pv);
             free(scratch);
             continue;
         }
