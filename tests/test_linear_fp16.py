@@ -189,7 +189,8 @@ def test_the_start_up_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_engine_turns_it_on_only_where_every_weight_is_in_range(model_dir, monkeypatch: pytest.MonkeyPatch
                                                                     ) -> None:
     """Forced from 64 rows: on (where built, without AMX) for SmolLM2, whose weights are far under the limit;
-    off, and said, for a model with a weight over it (the limit lowered here)."""
+    off, and said, for a model with a weight over it (the limit lowered here). Where no float16
+    version runs (no AVX512-FP16, or AMX tiles), off and said why, both times."""
     config = EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, itl_target_ms=0.0,
                           cpu_linear="native", cpu_linear_fp16_rows=64)
     if not cpu_native.linear_bf16_available():
@@ -199,10 +200,14 @@ def test_the_engine_turns_it_on_only_where_every_weight_is_in_range(model_dir, m
         # (an AMX build's tiles take these calls: there it stays off, as the FMAs do)
         expected = 64 if bf16_fp16_built() and cpu_native.linear_bf16_version() not in cpu_native.AMX_VERSIONS else 0
         assert engine.runner.bf16_fp16_rows == expected and bf16_fp16_rows() == expected
-        assert any(note.startswith("float16 matmuls") for note in engine.runner.startup_notes)
+        # asked for: the log says from how many rows, or why not (no version to run here)
+        said = "float16 matmuls from 64 rows" if expected else "float16 matmuls: off ("
+        assert any(note.startswith(said) for note in engine.runner.startup_notes), engine.runner.startup_notes
         monkeypatch.setattr(model_runner, "FP16_WEIGHT_MAX", 1e-3)
         engine = Engine(config)
         assert engine.runner.bf16_fp16_rows == 0 and bf16_fp16_rows() == 0
-        assert any("> 0.001" in note for note in engine.runner.startup_notes), engine.runner.startup_notes
+        # where a version would run, the weight check is why it does not
+        reason = "> 0.001" if expected else "float16 matmuls: off ("
+        assert any(reason in note for note in engine.runner.startup_notes), engine.runner.startup_notes
     finally:
         use_bf16_fp16_rows(0)

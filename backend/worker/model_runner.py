@@ -135,7 +135,8 @@ class ModelRunner:
         self.model = load_model(config.model, arch, self.dtype, self.device, config.load_format, config.seed,
                                 self.attention, self.cpu_linear, config.quantization, config.fused_layer_ops,
                                 self.onednn_batch_hint)
-        if self.device.type == "cpu" and linear_choice.fp16_min_rows:
+        # Timed on, or asked for (cpu_linear_fp16_rows): a user who asked learns why they are off.
+        if self.device.type == "cpu" and (linear_choice.fp16_min_rows or config.cpu_linear_fp16_rows):
             self.startup_notes.append(self._use_fp16_matmuls(linear_choice.fp16_min_rows))
             logger.info("%s", self.startup_notes[-1])
         self.prefill_attention = choose_prefill_attention(
@@ -243,6 +244,10 @@ class ModelRunner:
         was done."""
         if self.cpu_linear != "native" or self.dtype != torch.bfloat16:
             return "float16 matmuls: off (they need bfloat16 weights on our kernel)"
+        if not min_rows:   # choose_fp16_rows found no float16 version to run
+            return ("float16 matmuls: off (" + ("the AMX tiles take these matmuls"
+                    if cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS
+                    else "this build has no AVX512-FP16 version") + ")")
         largest = largest_packed_bf16_weight(self.model)
         if largest > FP16_WEIGHT_MAX:
             return f"float16 matmuls: off (a weight of magnitude {largest:.3g} > {FP16_WEIGHT_MAX:g})"
