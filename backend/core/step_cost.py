@@ -23,11 +23,21 @@ constrained to be non-negative. They are fitted first from a calibration run at 
 own step timings (the calibration samples stay in, so shapes the traffic has not shown yet
 keep their anchor). With fixed coefficients and no observations, the model is what scheduler
 tests use as a fake clock.
+
+The calibration runs in a quiet process; a serving one shares its cores with what streams the
+tokens out (the Python backend's response threads, Triton's frontends, clients on the same
+machine), which no feature sees. Traced on a 2-core machine (docs/benchmarks.md), steps that
+stream tokens ran 1.10-1.13x their prediction at the median and steps without any 0.97x, and the
+refits, anchored by the calibration, kept most of that gap for the rare prefill shapes. So every
+prediction is also multiplied by ``drift``: a running (geometric, ``DRIFT_WEIGHT``) mean of
+measured / predicted over the steps observed, each ratio clamped to ``DRIFT_CLAMP``, re-centred
+on the last ``DRIFT_REFIT_STEPS`` steps after each refit.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +49,10 @@ NUM_FEATURES = len(FEATURES)
 # Refit after this many observed steps, over the calibration samples and the last WINDOW steps.
 REFIT_EVERY = 64
 WINDOW = 1024
+# The running correction for what the features do not see (module docstring).
+DRIFT_WEIGHT = 1 / 16
+DRIFT_CLAMP = (0.67, 1.5)          # one step's ratio counts at most this far from 1 (a GC pause, a fault)
+DRIFT_REFIT_STEPS = 32
 
 Features = tuple[float, ...]   # NUM_FEATURES values, in FEATURES order
 ZERO: Features = (0.0,) * NUM_FEATURES
@@ -104,22 +118,30 @@ class StepCostModel:
         self.window: deque[Sample] = deque(maxlen=WINDOW)
         self._since_refit = 0
         self.num_refits = 0
+        self.drift = 1.0            # measured / fitted prediction, running (module docstring)
 
     @classmethod
     def fitted(cls, calibration: list[Sample]) -> "StepCostModel":
         return cls(fit_nonnegative(calibration), calibration)
 
-    def predict(self, features: Features) -> float:
-        """Seconds for a step with these features (``step`` = 1 is added here)."""
+    def fitted_seconds(self, features: Features) -> float:
+        """The linear model alone (``step`` = 1 is added here)."""
         c = self.coefficients
         return float(c[0] + c[1] * features[1] + c[2] * features[2] + c[3] * features[3] + c[4] * features[4]
                      + c[5] * features[5])
+
+    def predict(self, features: Features) -> float:
+        """Seconds for a step with these features: the linear model times ``drift``."""
+        return self.fitted_seconds(features) * self.drift
 
     def observe(self, features: Features, seconds: float) -> float:
         """Record a measured step; returns the relative error of its prediction
         (|predicted - measured| / measured) made before this observation."""
         error = abs(self.predict(features) - seconds) / max(seconds, 1e-9)
         self.window.append(Sample((1.0, *features[1:]), seconds))
+        if self.learn:
+            ratio = clamped_ratio(seconds, self.fitted_seconds(features))
+            self.drift = math.exp((1 - DRIFT_WEIGHT) * math.log(self.drift) + DRIFT_WEIGHT * math.log(ratio))
         self._since_refit += 1
         if self.learn and self._since_refit >= REFIT_EVERY:
             self.refit()
@@ -129,6 +151,10 @@ class StepCostModel:
         self._since_refit = 0
         self.coefficients = fit_nonnegative(self.calibration + list(self.window))
         self.num_refits += 1
+        recent = list(self.window)[-DRIFT_REFIT_STEPS:]
+        if recent:   # the new coefficients absorb part of the drift: what is left of it
+            logs = [math.log(clamped_ratio(s.seconds, self.fitted_seconds(s.features))) for s in recent]
+            self.drift = math.exp(sum(logs) / len(logs))
 
     def describe(self) -> str:
         units = {"step": ("ms", 1e3), "tokens": ("us/token", 1e6), "sampled": ("us/row", 1e6),
@@ -136,6 +162,13 @@ class StepCostModel:
                  "prefill_context": ("us/key", 1e6)}
         return ", ".join(f"{name} {value * units[name][1]:.3g} {units[name][0]}"
                          for name, value in zip(FEATURES, self.coefficients))
+
+
+def clamped_ratio(measured: float, predicted: float) -> float:
+    """measured / predicted within ``DRIFT_CLAMP`` (1 where nothing was predicted)."""
+    if predicted <= 0:
+        return 1.0
+    return min(max(measured / predicted, DRIFT_CLAMP[0]), DRIFT_CLAMP[1])
 
 
 def largest_fitting(cost_model: StepCostModel, max_new: int, target: float,
