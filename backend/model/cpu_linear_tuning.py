@@ -423,6 +423,20 @@ def choose_fma_rows(path: str, arch: ModelArchitecture, quantization: str = "non
                             "dot products/FMAs", arch, timer, fma_threshold, forced)
 
 
+def fp16_unavailable(path: str, quantization: str = "none") -> str:
+    """Why our bfloat16 kernel's float16 version cannot run here ('' where it can): the one
+    rule choose_fp16_rows applies and the start-up log gives a user who asked for it."""
+    if path != "native":
+        return f"the linear layers run {path}, not our kernel"
+    if quantization != "none":
+        return f"{quantization} weights"
+    if cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS:
+        return "the AMX tiles take these matmuls"
+    if not bf16_fp16_built():
+        return "this build has no AVX512-FP16 version"
+    return ""
+
+
 def choose_fp16_rows(path: str, arch: ModelArchitecture, quantization: str = "none",
                      timer: Callable[..., tuple[list[Fp16Timing], float]] = time_fp16,
                      forced: int | None = None) -> tuple[int, str]:
@@ -434,8 +448,7 @@ def choose_fp16_rows(path: str, arch: ModelArchitecture, quantization: str = "no
     ``FP16_MARGIN`` faster at every timed count. Not set for the process here: the engine turns
     it on once it has seen the weights (``FP16_WEIGHT_MAX``). ``forced``
     (EngineConfig.cpu_linear_fp16_rows): that threshold, untimed."""
-    if (path != "native" or quantization != "none" or cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS
-            or not bf16_fp16_built()):
+    if fp16_unavailable(path, quantization):
         return 0, ""
     return _forced_or_timed("float16 matmuls", "float16", "cpu_linear_fp16_rows", "without/with", arch, timer,
                             fp16_threshold, forced)

@@ -29,7 +29,7 @@ from backend.lora.slots import NO_SLOT, LoRABackend, LoRABatch, LoRASlots
 from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_features import CpuFeatures, detect
 from backend.model.cpu_linear import FP16_WEIGHT_MAX, largest_packed_bf16_weight, use_bf16_fp16_rows
-from backend.model.cpu_linear_tuning import choose_cpu_linear
+from backend.model.cpu_linear_tuning import choose_cpu_linear, fp16_unavailable
 from backend.model.llama import AttentionMetadata
 from backend.model.loader import load_model
 from backend.model.prefill_attention_choice import choose_prefill_attention
@@ -244,10 +244,8 @@ class ModelRunner:
         was done."""
         if self.cpu_linear != "native" or self.dtype != torch.bfloat16:
             return "float16 matmuls: off (they need bfloat16 weights on our kernel)"
-        if not min_rows:   # choose_fp16_rows found no float16 version to run
-            return ("float16 matmuls: off (" + ("the AMX tiles take these matmuls"
-                    if cpu_native.linear_bf16_version() in cpu_native.AMX_VERSIONS
-                    else "this build has no AVX512-FP16 version") + ")")
+        if not min_rows:   # asked for, but choose_fp16_rows found no float16 version to run
+            return f"float16 matmuls: off ({fp16_unavailable(self.cpu_linear, self.config.quantization)})"
         largest = largest_packed_bf16_weight(self.model)
         if largest > FP16_WEIGHT_MAX:
             return f"float16 matmuls: off (a weight of magnitude {largest:.3g} > {FP16_WEIGHT_MAX:g})"
