@@ -10,7 +10,6 @@ AllBlocksCleared that the reset publishes, and counts from there.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -33,6 +32,7 @@ from backend.core.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                     external_hash, record_events)
 from backend.core.request import Request
 from backend.lora.synthetic import model_with_adapters
+from server.launch import free_ports
 from tests.conftest import FIXED_BUDGET, REPO_ROOT
 from tests.test_kv_cache_properties import VOCAB, KVCacheMachine
 
@@ -439,12 +439,6 @@ def test_config_takes_vllm_spelling_as_engine_parameters() -> None:
 DYNAMO_PYTHON = REPO_ROOT / ".venv-dynamo" / "bin" / "python"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def dynamo_python() -> Path:
     """Dynamo's runtime is a peer of ours, not a dependency: a missing or broken virtual
     environment is a failure that names the target that builds it (make test runs it)."""
@@ -463,7 +457,7 @@ class DynamoIndexer:
     POST /query with each worker's overlap, in tokens (matched blocks x block size)."""
 
     def __init__(self, log: Path) -> None:
-        self.port = free_port()
+        self.port = free_ports(1)[0]   # below the ephemeral range (server/launch.py)
         self.log = log.open("w")
         self.process = subprocess.Popen(
             [str(dynamo_python()), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
