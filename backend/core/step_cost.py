@@ -137,10 +137,11 @@ class StepCostModel:
     def observe(self, features: Features, seconds: float) -> float:
         """Record a measured step; returns the relative error of its prediction
         (|predicted - measured| / measured) made before this observation."""
-        error = abs(self.predict(features) - seconds) / max(seconds, 1e-9)
+        fitted = self.fitted_seconds(features)
+        error = abs(fitted * self.drift - seconds) / max(seconds, 1e-9)
         self.window.append(Sample((1.0, *features[1:]), seconds))
         if self.learn:
-            ratio = clamped_ratio(seconds, self.fitted_seconds(features))
+            ratio = clamped_ratio(seconds, fitted)
             self.drift = math.exp((1 - DRIFT_WEIGHT) * math.log(self.drift) + DRIFT_WEIGHT * math.log(ratio))
         self._since_refit += 1
         if self.learn and self._since_refit >= REFIT_EVERY:

@@ -25,23 +25,24 @@ attends its gathered context with a mask.
 
 **Which of our bfloat16 prefill functions** (``choose_bf16_prefill_kernel``), before the above
 (whose timing of ours then runs the one chosen): the build's own (``dp``: AVX512_BF16 dot products
-where the compiler targets them, else the AVX2 one), the float32-FMA one (``fma``: K and V widened
-to float32 once per key block, 512-bit FMAs; built wherever AVX-512F is) or the float16 one
+where the compiler targets them, else the AVX2 one); the float32-FMA one (``fma``: K and V widened
+to float32 once per key block, 512-bit FMAs; built wherever AVX-512F is); the float16 one
 (``fp16``: K, V and the queries narrowed to float16 by powers of 2, float16 FMAs, sums in float32
 after 16 products for the scores and 32 for the values; a task whose queries hold an outlier
-dimension runs the float32-FMA one; built wherever AVX512-FP16 is) or the build's own with P x V
+dimension runs the float32-FMA one; built wherever AVX512-FP16 is); or the build's own with P x V
 in dot products too (``dp-pv``: the probabilities rounded to bfloat16, as torch's SDPA does,
 pairs of keys per 32-bit lane; built wherever AVX512_BF16 is). Where ``vdpbf16ps`` runs at half
-the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is faster than the first, and where
-a float16 FMA does twice a float32 one's products at the same rate the third is faster still; where
-the dot product runs at the FMA's rate (AMD Zen 4) the fourth does P x V in half the instructions. So it is timed here, never read off the
-CPU's name: one prefill (``BF16_TILE``: new tokens over cached context) at the model's head shape,
-each function's best of ``BF16_ROUNDS`` alternating calls, after each is checked against the
-reference; the fastest runs, another than the build's own only where it beats the build's own by
-``FMA_MARGIN``. Functions the build lacks, or that do not serve the model's head size, are not
-timed; where neither other one serves, the build's own runs, untimed. ``cpu_prefill_bf16_kernel``
-(EngineConfig: ``auto``, ``dp``, ``fma``, ``fp16``, ``dp-pv``) forces it. The choice is process-wide (the C
-decoder's prefills take it too); the start-up log names the function and the timings.
+the FMA rate (the Intel Xeon of docs/benchmarks.md) the second is faster than the first; where a
+float16 FMA does twice a float32 one's products at the same rate the third is faster still; where
+the dot product runs at the FMA's rate (AMD Zen 4) the fourth does P x V in half the
+instructions. So it is timed here, never read off the CPU's name: one prefill (``BF16_TILE``: new
+tokens over cached context) at the model's head shape, each function's best of ``BF16_ROUNDS``
+alternating calls, after each is checked against the reference; the fastest runs, another than
+the build's own only where it beats the build's own by ``FMA_MARGIN``. Functions the build lacks,
+or that do not serve the model's head size, are not timed; where no other one serves, the build's
+own runs, untimed. ``cpu_prefill_bf16_kernel`` (EngineConfig: ``auto``, ``dp``, ``fma``, ``fp16``,
+``dp-pv``) forces it. The choice is process-wide (the C decoder's prefills take it too); the
+start-up log names the function and the timings.
 """
 
 from __future__ import annotations

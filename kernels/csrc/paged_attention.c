@@ -2225,8 +2225,9 @@ int prefill_attention_bf16_selected(void) { return prefill_bf16_kernel; }
 int prefill_attention_bf16_path(int64_t head_dim) {
     if (prefill_bf16_kernel == PREFILL_BF16_FMA && fma_path_fits(head_dim)) return ATTENTION_AVX512_FMA;
     if (prefill_bf16_kernel == PREFILL_BF16_FP16 && fp16_path_fits(head_dim)) return ATTENTION_AVX512_FP16;
-    if (prefill_bf16_kernel == PREFILL_BF16_DP_PV && prefill_attention_bf16_dp_pv_built() &&
-        attention_path(1, head_dim) == ATTENTION_AVX512_BF16) return ATTENTION_AVX512_BF16_PV;
+    /* dp-pv is selected only where built: it serves the sizes the dot-product function does */
+    if (prefill_bf16_kernel == PREFILL_BF16_DP_PV && attention_path(1, head_dim) == ATTENTION_AVX512_BF16)
+        return ATTENTION_AVX512_BF16_PV;
     return attention_path(1, head_dim);
 }
 
@@ -2239,7 +2240,7 @@ static int prefill(const void *query, void *out, int is_bf16, const int64_t *q_s
                    const void *key_cache, const void *value_cache, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
                    const float *sinks, float softcap, int num_threads) {
-    /* the float32-FMA or float16 bfloat16 function where selected (prefill_attention_bf16_select) */
+    /* the float32-FMA, float16 or dp-pv bfloat16 function where selected (prefill_attention_bf16_select) */
     const int bf16_path = is_bf16 ? prefill_attention_bf16_path(head_dim) : -1;
     const int fma = bf16_path == ATTENTION_AVX512_FMA, fp16 = bf16_path == ATTENTION_AVX512_FP16;
     const int dp_pv = bf16_path == ATTENTION_AVX512_BF16_PV;
