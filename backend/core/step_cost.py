@@ -29,13 +29,21 @@ tokens out (the Python backend's response threads, Triton's frontends, clients o
 machine), which no feature sees. Traced on a 2-core machine (docs/benchmarks.md), steps that
 stream tokens ran 1.10-1.13x their prediction at the median and steps without any 0.97x, and the
 refits, anchored by the calibration, kept most of that gap for the rare prefill shapes. So every
-prediction is also multiplied by ``drift``: a running (geometric, ``DRIFT_WEIGHT``) mean of
-measured / predicted over the steps observed, each ratio clamped to ``DRIFT_CLAMP``, re-centred
-on the last ``DRIFT_REFIT_STEPS`` steps after each refit.
+prediction is also multiplied by a ``drift``: a running (geometric, ``DRIFT_WEIGHT``) mean of
+measured / predicted, each ratio clamped to ``DRIFT_CLAMP``, re-centred on the last
+``DRIFT_REFIT_STEPS`` steps after each refit. There is one drift per ``StepKind`` (decodes
+alone, prefill alone, both), each learnt from steps of its kind only: what the features miss is
+not the same for each (the response path runs beside the steps that stream; in a process
+without one, decode steps ran 0.84x a calibration that fitted its prefill and mixed shapes
+within 6%), and the many decode steps of a busy server must not set the correction for the
+rare mixed steps the ITL target sizes. With one drift for all, a first long prompt among
+decoding streams was cut into chunks sized with the decodes' 0.84, and its steps ran 1.2-1.3x
+the target (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections import deque
@@ -56,6 +64,20 @@ DRIFT_REFIT_STEPS = 32
 
 Features = tuple[float, ...]   # NUM_FEATURES values, in FEATURES order
 ZERO: Features = (0.0,) * NUM_FEATURES
+
+
+class StepKind(enum.Enum):
+    """What a step computes, for its own ``drift`` (module docstring)."""
+    DECODE = "decode"     # every row computes one token (or nothing is scheduled)
+    PREFILL = "prefill"   # only rows of several tokens: nothing streams beside them
+    MIXED = "mixed"       # both: the steps whose chunks an ITL target sizes
+
+
+def step_kind(features: Features) -> StepKind:
+    decodes, prefills = features[3] > 0, features[4] > 0
+    if prefills:
+        return StepKind.MIXED if decodes else StepKind.PREFILL
+    return StepKind.DECODE
 
 
 def row_features(num_new: int, num_computed: int, samples: bool) -> Features:
@@ -118,7 +140,8 @@ class StepCostModel:
         self.window: deque[Sample] = deque(maxlen=WINDOW)
         self._since_refit = 0
         self.num_refits = 0
-        self.drift = 1.0            # measured / fitted prediction, running (module docstring)
+        # measured / fitted prediction, running, per kind of step (module docstring)
+        self.drift: dict[StepKind, float] = dict.fromkeys(StepKind, 1.0)
 
     @classmethod
     def fitted(cls, calibration: list[Sample]) -> "StepCostModel":
@@ -131,18 +154,19 @@ class StepCostModel:
                      + c[5] * features[5])
 
     def predict(self, features: Features) -> float:
-        """Seconds for a step with these features: the linear model times ``drift``."""
-        return self.fitted_seconds(features) * self.drift
+        """Seconds for a step with these features: the linear model times its kind's ``drift``."""
+        return self.fitted_seconds(features) * self.drift[step_kind(features)]
 
     def observe(self, features: Features, seconds: float) -> float:
         """Record a measured step; returns the relative error of its prediction
         (|predicted - measured| / measured) made before this observation."""
-        fitted = self.fitted_seconds(features)
-        error = abs(fitted * self.drift - seconds) / max(seconds, 1e-9)
+        fitted, kind = self.fitted_seconds(features), step_kind(features)
+        error = abs(fitted * self.drift[kind] - seconds) / max(seconds, 1e-9)
         self.window.append(Sample((1.0, *features[1:]), seconds))
         if self.learn:
             ratio = clamped_ratio(seconds, fitted)
-            self.drift = math.exp((1 - DRIFT_WEIGHT) * math.log(self.drift) + DRIFT_WEIGHT * math.log(ratio))
+            self.drift[kind] = math.exp((1 - DRIFT_WEIGHT) * math.log(self.drift[kind])
+                                        + DRIFT_WEIGHT * math.log(ratio))
         self._since_refit += 1
         if self.learn and self._since_refit >= REFIT_EVERY:
             self.refit()
@@ -152,10 +176,13 @@ class StepCostModel:
         self._since_refit = 0
         self.coefficients = fit_nonnegative(self.calibration + list(self.window))
         self.num_refits += 1
-        recent = list(self.window)[-DRIFT_REFIT_STEPS:]
-        if recent:   # the new coefficients absorb part of the drift: what is left of it
-            logs = [math.log(clamped_ratio(s.seconds, self.fitted_seconds(s.features))) for s in recent]
-            self.drift = math.exp(sum(logs) / len(logs))
+        # The new coefficients absorb part of each drift: what is left of it, from the last
+        # steps of its kind in the window (a kind the window lacks keeps its drift).
+        for kind in StepKind:
+            recent = [s for s in self.window if step_kind(s.features) is kind][-DRIFT_REFIT_STEPS:]
+            if recent:
+                logs = [math.log(clamped_ratio(s.seconds, self.fitted_seconds(s.features))) for s in recent]
+                self.drift[kind] = math.exp(sum(logs) / len(logs))
 
     def describe(self) -> str:
         units = {"step": ("ms", 1e3), "tokens": ("us/token", 1e6), "sampled": ("us/row", 1e6),
