@@ -54,6 +54,7 @@ import numpy as np
 
 FEATURES = ("step", "tokens", "sampled", "decode_context", "prefill_pairs", "prefill_context")
 NUM_FEATURES = len(FEATURES)
+DECODE_CONTEXT, PREFILL_PAIRS = FEATURES.index("decode_context"), FEATURES.index("prefill_pairs")
 # Refit after this many observed steps, over the calibration samples and the last WINDOW steps.
 REFIT_EVERY = 64
 WINDOW = 1024
@@ -74,7 +75,7 @@ class StepKind(enum.Enum):
 
 
 def step_kind(features: Features) -> StepKind:
-    decodes, prefills = features[3] > 0, features[4] > 0
+    decodes, prefills = features[DECODE_CONTEXT] > 0, features[PREFILL_PAIRS] > 0
     if prefills:
         return StepKind.MIXED if decodes else StepKind.PREFILL
     return StepKind.DECODE
