@@ -27,12 +27,23 @@ the dot products). ``--per-shape`` prints GFLOP/s per projection shape (all the 
 of that shape, one after another) and for the whole step, instead of the ms table:
 
     python -m benchmarks.cpu_linear --dtype bfloat16 --rows 16,64,512 --paths native-dp,native-fma --per-shape
+
+``--spread N`` times the step N times per path instead (the paths alternating) and prints the
+spread of its wall time: median, p90, p99, the largest and p99 / median. The ITL target sizes a
+step by its predicted time, so how far the matmuls alone run over their median on a quiet
+machine is a floor under how far a served step can (docs/benchmarks.md, "What is behind the
+slow served steps"):
+
+    python -m benchmarks.cpu_linear --dtype bfloat16 --rows 208 --paths native --spread 300
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Callable
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +82,20 @@ def kernel_build(cflags: tuple[str, ...], dtype: torch.dtype, revision: str | No
     return make
 
 
+def spread_of(repeats: int, runs: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+    """Seconds of each of ``repeats`` calls per run, the runs alternating (their order reversed
+    every other repetition, so that none always follows the same one), after one warm-up call each."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(repeats):
+        for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=EngineConfig.model)
@@ -84,6 +109,8 @@ def main() -> None:
                         help="adds paths 'this' (this tree's kernel) and REV (git revision REV's), called alike")
     parser.add_argument("--per-shape", action="store_true",
                         help="GFLOP/s per projection shape and for the whole step, instead of ms per step")
+    parser.add_argument("--spread", type=int, default=0, metavar="N",
+                        help="time the step N times per path and print the spread of its time, instead of the best")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -120,7 +147,10 @@ def main() -> None:
           f"{len(shapes)} matmuls per step, "
           f"{sum(k * n for k, n in shapes) * weights[0].element_size() / 1e6:.0f} MB of {args.dtype} weights")
     against = f" | this speed-up over {args.against}" if args.against else ""
-    if args.per_shape:
+    if args.spread:
+        print("| rows | path | median ms | p90 ms | p99 ms | largest ms | p99 / median |")
+        print("|---" * 7 + "|")
+    elif args.per_shape:
         print("| rows | matmuls (in x out) | " + " | ".join(f"{p} GFLOP/s" for p in layers) + " |")
         print("|---" * (len(layers) + 2) + "|")
     else:
@@ -142,6 +172,12 @@ def main() -> None:
                         apply(layer, inputs[k])
                 return run
 
+            if args.spread:
+                for path, times in spread_of(args.spread, {path: one_step(path) for path in layers}).items():
+                    q = np.quantile(times, [0.5, 0.9, 0.99]) * 1e3
+                    print(f"| {rows} | {path} | {q[0]:.1f} | {q[1]:.1f} | {q[2]:.1f} | {max(times) * 1e3:.1f} "
+                          f"| {q[2] / q[0]:.3f} |")
+                continue
             if args.per_shape:
                 for only in [*dict.fromkeys(shapes), None]:
                     flops = sum(2 * rows * k * n for k, n in shapes if only in (None, (k, n)))
