@@ -42,6 +42,30 @@ def test_cpu_linear_benchmark_runs() -> None:
     assert done.stdout.count("x |") == 4      # both speed-ups per row count
 
 
+def test_cpu_linear_spread_runs() -> None:
+    """--spread: the step timed repeatedly per path, one row of percentiles per path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_linear", "--rows", "3", "--paths", "native,torch",
+                           "--spread", "4"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| rows | path | median ms | p90 ms | p99 ms | largest ms | p99 / median |" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 3 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["native", "torch"]
+
+
+def test_host_overhead_benchmark_runs(tmp_path: Path) -> None:
+    """The host work per step around a tiny model's forward, at two batch sizes."""
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--batches", "2,5", "--steps", "3",
+                           "--rounds", "2", "--json", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    medians = json.loads(out.read_text())["medians"]
+    assert set(medians) == {"2", "5"}
+    for median in medians.values():
+        assert 0 < median["forward_ms"] < median["step_ms"] and median["host_ms"] > 0
+
+
 def test_silu_and_mul_benchmark_runs() -> None:
     """The fused SiLU x up against the torch ops: the op alone and alternating decode steps."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -9,6 +9,7 @@ and max_tokens end greedy generations exactly where a first, unconstrained run s
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from backend import Engine, EngineConfig, RequestOutput, SamplingParams
-from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer, ids_decoder
 from tests.conftest import FIXED_BUDGET
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
@@ -130,6 +131,52 @@ def test_special_tokens_in_the_stream_are_skipped(tokenizer: Any) -> None:
     ids = tokenizer("Hi").input_ids + [EOS] + tokenizer(" there 🎉").input_ids + [1]
     deltas, _, _, _ = feed(tokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == "Hi there 🎉"
+
+
+# ---- the decode the detokenizer calls --------------------------------------------------------
+
+def test_the_direct_decode_is_the_tokenizers_decode(tokenizer: Any) -> None:
+    """ids_decoder calls the Rust tokenizer itself for SmolLM2's tokenizer (loaded as the engine
+    and as AutoTokenizer load it), and gives what tokenizer.decode gives: random ids, special
+    tokens among them, single bytes of multi-byte characters, the empty list."""
+    from backend.engine.tokenizer import load_tokenizer
+
+    rng = random.Random(0)
+    special = sorted(tokenizer.all_special_ids)
+    for candidate in (tokenizer, load_tokenizer(str(MODEL_DIR))):
+        decode = ids_decoder(candidate)
+        batches = [[], special, [EOS, 1, EOS], candidate("🎉 日本 ñ").input_ids]
+        batches += [[rng.randrange(len(candidate)) for _ in range(rng.randrange(1, 9))] for _ in range(3000)]
+        batches += [[*b, rng.choice(special)] for b in batches[-200:]]
+        for ids in batches:
+            assert decode(ids) == candidate.decode(ids, skip_special_tokens=True), ids
+        expected = candidate.decode([42, EOS, 43], skip_special_tokens=True)
+        candidate.decode = None        # the direct path never calls transformers' decode
+        try:
+            assert decode([42, EOS, 43]) == expected
+        finally:
+            del candidate.decode
+
+
+def test_a_decode_transformers_changes_is_called_as_it_is(tokenizer: Any) -> None:
+    """Where transformers' decode is more than the Rust one (space clean-up on, or a tokenizer
+    class with its own _decode), the detokenizer goes through tokenizer.decode."""
+    from backend.engine.tokenizer import load_tokenizer
+    from transformers import TokenizersBackend
+
+    class MarkedDecode(TokenizersBackend):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "<" + super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs) + ">"
+
+    marked = MarkedDecode.from_pretrained(str(MODEL_DIR))
+    assert ids_decoder(marked)([42, 43]) == "<" + tokenizer.decode([42, 43]) + ">"
+    cleaned = load_tokenizer(str(MODEL_DIR))
+    cleaned.clean_up_tokenization_spaces = True
+    calls: list[list[int]] = []
+    real = cleaned.decode
+    cleaned.decode = lambda ids, **kwargs: calls.append(list(ids)) or real(ids, **kwargs)
+    assert ids_decoder(cleaned)([42, 43]) == tokenizer.decode([42, 43], skip_special_tokens=True)
+    assert calls == [[42, 43]]
 
 
 def test_finish_releases_an_incomplete_character(tokenizer: Any) -> None:

@@ -14,16 +14,38 @@ client gets either way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 # Prompt tokens kept as decoding context for the first generated tokens.
 _CONTEXT_TOKENS = 5
 
+IdsDecoder = Callable[[list[int]], str]
+
+
+def ids_decoder(tokenizer: Any) -> IdsDecoder:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` as one callable. Where that decode is
+    exactly the Rust tokenizer's (a tokenizers-backed tokenizer that neither overrides
+    ``_decode`` nor cleans up spaces afterwards), the Rust decode is called directly: the
+    detokenizer decodes twice per generated token, and transformers' wrapper around it (argument
+    conversion, keyword handling) costs several times the decode itself."""
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:   # an older transformers: no such class, the wrapper it is
+        TokenizersBackend = None
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        rust = tokenizer.backend_tokenizer
+        return lambda ids: rust.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False,
-                 ) -> None:
+                 decode: IdsDecoder | None = None) -> None:
+        """``decode``: ``ids_decoder(tokenizer)``, made once by a caller that has many requests."""
         self.tokenizer = tokenizer
+        self._decode = decode or ids_decoder(tokenizer)
         self.stop = stop
         self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
@@ -32,9 +54,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)      # tokens before this are already in `text`
         self.text = ""                          # all generated text so far (truncated at a stop string)
         self._num_emitted = 0                   # chars of `text` already returned as deltas
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _pending_text(self, force: bool) -> str:
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])

@@ -13,13 +13,14 @@ from dataclasses import replace
 from typing import Any
 
 from backend.core.request import Request
-from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer, ids_decoder
 from backend.outputs import FinishReason, Logprob, RequestOutput
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self._decode = ids_decoder(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -28,7 +29,7 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output)
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output, self._decode)
 
     def append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, Logprob] | None,
                       ) -> RequestOutput:
