@@ -8,7 +8,8 @@ import random
 import pytest
 
 from backend.core import step_cost
-from backend.core.step_cost import Sample, StepCostModel, StepKind, fit_nonnegative, row_features, step_kind
+from backend.core.step_cost import (NUM_FEATURES, Sample, StepCostModel, StepKind, add, fit_nonnegative, row_features,
+                                     step_kind, sub)
 from backend.worker.step_calibration import calibrate, calibration_shapes, features_of
 
 TRUE = (0.012, 250e-6, 40e-6, 900e-9, 530e-9, 2e-6)   # a fit on the 2-core EPYC, bfloat16
@@ -158,3 +159,13 @@ def test_calibrate_times_every_shape_once_after_warmup() -> None:
     assert ran == shapes[:2] + shapes
     assert [s.features for s in samples] == [features_of(shape) for shape in shapes]
     assert all(s.seconds >= 0 for s in samples)
+
+
+def test_add_and_sub_are_elementwise_over_every_feature() -> None:
+    """add and sub spell out their six sums: a feature added to FEATURES must be added there."""
+    rng = random.Random(5)
+    for _ in range(100):
+        a = tuple(rng.uniform(-1e3, 1e3) for _ in range(NUM_FEATURES))
+        b = tuple(rng.uniform(-1e3, 1e3) for _ in range(NUM_FEATURES))
+        assert add(a, b) == tuple(x + y for x, y in zip(a, b))
+        assert sub(a, b) == tuple(x - y for x, y in zip(a, b))

@@ -117,6 +117,19 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` after the request's computed tokens (and after
         ``computed_blocks``, a prefix hit being attached now). Returns False, changing
         nothing, when there are not enough free blocks."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not computed and blocks is not None:
+            # A running request growing (every decode step): no prefix hit to attach, and a new
+            # block only every block_size tokens. The general path below does the same, slower.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            num_needed = cdiv(num_tokens, self.block_size) - len(blocks)
+            if num_needed > 0:
+                if num_needed > self.pool.num_free_blocks:
+                    return False
+                blocks.extend(self.pool.allocate(num_needed))
+            if num_tokens // self.block_size > self._num_registered.get(request.request_id, 0):
+                self._register_full_blocks(request, num_tokens)   # this step fills a block
+            return True
         computed_blocks = list(computed or ())
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size

@@ -91,11 +91,12 @@ def row_features(num_new: int, num_computed: int, samples: bool) -> Features:
 
 
 def add(a: Features, b: Features) -> Features:
-    return tuple(x + y for x, y in zip(a, b))  # type: ignore[return-value]
+    # Spelt out: the scheduler adds one row's features per request per step.
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5])
 
 
 def sub(a: Features, b: Features) -> Features:
-    return tuple(x - y for x, y in zip(a, b))  # type: ignore[return-value]
+    return (a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3], a[4] - b[4], a[5] - b[5])
 
 
 @dataclass

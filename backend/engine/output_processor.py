@@ -104,7 +104,7 @@ class OutputProcessor:
         """A token's text on its own, as the output text shows it (special tokens such as EOS
         are not in the text, so their text is ""): the rank-1 entries of a stream's logprobs
         concatenate to its text."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+        return self._decode([token_id])
 
     def _output(self, request: Request, new_ids: list[int], delta: str,
                 new_logprobs: list[dict[int, Logprob]] | None, finish_reason: FinishReason | None,

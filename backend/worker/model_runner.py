@@ -341,7 +341,10 @@ class ModelRunner:
             max_query_len, max_seq_len = max(max_query_len, num_new), max(max_seq_len, end)
             if end >= request.num_tokens:
                 rows = end - request.num_tokens + 1      # 1, or 1 + drafts
-                host["logits_indices"][num_logits:num_logits + rows] = np.arange(token - rows, token)
+                if rows == 1:
+                    host["logits_indices"][num_logits] = token - 1
+                else:
+                    host["logits_indices"][num_logits:num_logits + rows] = np.arange(token - rows, token)
                 num_logits += rows
                 sampling.append(request)
         num_logits = self._prompt_logprob_rows(requests, num_scheduled, num_logits)
