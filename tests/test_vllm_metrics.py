@@ -308,3 +308,25 @@ def test_lora_gauge_only_where_lora_is_on() -> None:
         metrics.update(engine_stats(), deque(), 16)
         exported = [name for name, family in pb.families.items() if name.startswith("vllm:") and family.metrics]
         assert exported == (["vllm:lora_requests_info"] if enabled else []), enabled
+
+
+def test_a_gauge_is_sent_only_when_its_value_changes() -> None:
+    """Each metric call is a round trip to tritonserver holding the interpreter lock: a snapshot
+    that leaves a gauge as it was sends nothing for it, and one that changes it sends it once."""
+    pb = fake_pb_utils()
+    metrics = EngineMetrics(pb, model="llm", version="1", vllm_max_model_len=8192)
+    sets: list[tuple[str, float]] = []
+    for name, family in pb.families.items():
+        for metric in family.metrics:
+            metric.set = (lambda value, name=name, metric=metric:
+                          sets.append((name, value)) or FakeMetric.set(metric, value))
+    metrics.update(engine_stats(num_running=2, kv_blocks_free=60), deque(), 16)
+    first = len(sets)
+    assert only(pb, "llm_num_requests_running").value == 2 and only(pb, "llm_kv_blocks_free").value == 60
+    metrics.update(engine_stats(num_running=2, kv_blocks_free=60, num_steps=5), deque(), 16)
+    assert len(sets) == first                     # a new snapshot, no gauge changed
+    metrics.update(engine_stats(num_running=3, kv_blocks_free=60, num_steps=6), deque(), 16)
+    changed = sets[first:]
+    assert ("llm_num_requests_running", 3) in changed
+    assert all(value in (3, 3.0) for _, value in changed)    # running, scheduled, active: nothing else
+    assert only(pb, "llm_num_requests_running").value == 3
