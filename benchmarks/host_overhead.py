@@ -9,7 +9,7 @@ the CPU, ``batch`` greedy requests decoding together (ignore_eos), ``Engine.step
 whole and ``ModelRunner.execute`` (the forward) inside it; host = step - forward. The forward
 here is the CPU's, not the GPU's: only the host column carries over.
 
-    python -m benchmarks.host_overhead [--batches 16,64,256] [--steps 300] [--rounds 3]
+    python -m benchmarks.host_overhead [--batches 16,64,256] [--steps 300] [--rounds 3] [--prompt-tokens 32]
     python -m benchmarks.host_overhead --batches 64 --profile tottime   # cProfile's top functions
 
 Rounds alternate over the batch sizes; the table gives each one's median round.
@@ -60,24 +60,26 @@ class ForwardTimer:
         ModelRunner.execute = self._original
 
 
-def decoding_engine(folder: Path, batch: int, steps: int) -> Engine:
+def decoding_engine(folder: Path, batch: int, steps: int, prompt_tokens: int = PROMPT_TOKENS) -> Engine:
     """An engine with ``batch`` requests past their prompts, each with ``steps`` more to decode."""
     config = EngineConfig(model=str(folder), load_format="dummy", device="cpu", dtype="float32",
-                          max_num_seqs=batch, max_num_batched_tokens=max(batch * PROMPT_TOKENS, 512),
-                          num_kv_blocks=batch * (PROMPT_TOKENS + steps + 64) // 16 + 16, itl_target_ms=0,
-                          cpu_threads=1)
+                          max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_tokens, 512),
+                          num_kv_blocks=batch * (prompt_tokens + steps + 64) // 16 + 16, itl_target_ms=0,
+                          max_num_partial_prefills=batch, cpu_threads=1)   # every prompt in the first step
     engine = Engine(config)
     params = SamplingParams(max_tokens=steps + 2 * WARM_UP_STEPS, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         # distinct prompts (no prefix hits), ids the tokenizer decodes to text
-        engine.add_request(f"r{i}", [100 + (i * PROMPT_TOKENS + t) % 900 for t in range(PROMPT_TOKENS)], params)
+        engine.add_request(f"r{i}", [100 + (i * prompt_tokens + t) % 900 for t in range(prompt_tokens)], params)
     for _ in range(WARM_UP_STEPS):
         engine.step()
+    assert all(r.num_output_tokens for r in engine.requests.values()), "a prompt is still prefilling"
     return engine
 
 
-def one_round(folder: Path, batch: int, steps: int, profile: cProfile.Profile | None = None) -> dict[str, float]:
-    engine = decoding_engine(folder, batch, steps)
+def one_round(folder: Path, batch: int, steps: int, prompt_tokens: int = PROMPT_TOKENS,
+              profile: cProfile.Profile | None = None) -> dict[str, float]:
+    engine = decoding_engine(folder, batch, steps, prompt_tokens)
     with ForwardTimer() as forward:
         if profile is not None:
             profile.enable()
@@ -96,6 +98,8 @@ def main() -> None:
     parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                        help="context each request decodes after (block tables grow with it)")
     parser.add_argument("--profile", choices=("tottime", "cumulative"),
                         help="one round per batch under cProfile, its top functions printed (times inflated)")
     parser.add_argument("--json", type=Path, help="write the rounds and medians here")
@@ -108,13 +112,13 @@ def main() -> None:
         if args.profile:
             for batch in batches:
                 profile = cProfile.Profile()
-                print(one_round(folder, batch, args.steps, profile))
+                print(one_round(folder, batch, args.steps, args.prompt_tokens, profile))
                 pstats.Stats(profile).sort_stats(args.profile).print_stats(40)
             return
         rounds: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
         for r in range(args.rounds):
             for batch in (batches if r % 2 == 0 else batches[::-1]):
-                rounds[batch].append(one_round(folder, batch, args.steps))
+                rounds[batch].append(one_round(folder, batch, args.steps, args.prompt_tokens))
     print("| batch | step ms | forward ms (CPU) | host ms | host us per request |")
     print("|---|---|---|---|---|")
     medians = {}
@@ -124,7 +128,8 @@ def main() -> None:
         print(f"| {batch} | {median['step_ms']:.2f} | {median['forward_ms']:.2f} | {median['host_ms']:.2f} "
               f"| {median['host_ms'] * 1e3 / batch:.1f} |")
     if args.json:
-        args.json.write_text(json.dumps({"device": cpu_name(), "steps": args.steps, "rounds": rounds,
+        args.json.write_text(json.dumps({"device": cpu_name(), "steps": args.steps,
+                                         "prompt_tokens": args.prompt_tokens, "rounds": rounds,
                                          "medians": medians}, indent=1) + "\n")
 
 

@@ -71,6 +71,38 @@ def admit_whole_prompt(kv: KVCacheManager, request: Request) -> int:
     return num_hit
 
 
+def test_a_block_table_is_the_same_list_until_its_blocks_change() -> None:
+    """block_ids_of hands out one list while the request's blocks stay as they are (the step
+    preparation skips rewriting a row it wrote from that list) and a new, right one after each
+    kind of change: a block added, blocks trimmed (rejected drafts), blocks released outside a
+    sliding window, the request freed."""
+    kv = KVCacheManager(16, 4, enable_caching=True, release_window=8)
+    request = make_request(range(10))
+    admit_whole_prompt(kv, request)                      # 10 tokens: 3 blocks
+    table = kv.block_ids_of(request.request_id)
+    assert table == ids(kv.blocks_of(request.request_id)) and len(table) == 3
+    assert kv.allocate_slots(request, 1)                 # token 11 fits the third block
+    assert kv.block_ids_of(request.request_id) is table
+    request.append_token(10)
+    request.num_computed_tokens += 1
+    assert kv.allocate_slots(request, 2)                 # tokens 12-13: a fourth block
+    grown = kv.block_ids_of(request.request_id)
+    assert grown is not table and grown == ids(kv.blocks_of(request.request_id)) and len(grown) == 4
+    kv.trim(request, request.num_computed_tokens)        # the two slots were rejected drafts
+    trimmed = kv.block_ids_of(request.request_id)
+    assert trimmed is not grown and trimmed == ids(kv.blocks_of(request.request_id)) and len(trimmed) == 3
+    for token in range(11, 16):
+        request.append_token(token)
+        assert kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+    before = kv.block_ids_of(request.request_id)
+    assert kv.release_outside_window(request) > 0        # 16 computed, window 8: leading blocks go
+    released = kv.block_ids_of(request.request_id)
+    assert released is not before and released == ids(kv.blocks_of(request.request_id))
+    kv.free(request)
+    assert kv.block_ids_of(request.request_id) == []
+
+
 # ---- 1. stateful model of the KV cache manager -------------------------------------------------
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -223,6 +255,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                     assert len(have) == n
         for rid in self.waiting:
             assert kv.blocks_of(rid) == [], f"waiting request {rid} holds blocks"
+        for rid in [*self.live, *self.waiting]:   # the block table handed out is never stale
+            assert kv.block_ids_of(rid) == ids(kv.blocks_of(rid)), f"{rid}: stale block table"
         for block in pool.blocks:
             assert block.ref_count == holders[block.block_id], \
                 f"block {block.block_id}: ref_count {block.ref_count} vs {holders[block.block_id]} holders"

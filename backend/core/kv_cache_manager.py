@@ -51,6 +51,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}   # leading blocks of a request already hashed into the cache
         self._num_released: dict[str, int] = {}     # leading blocks of a request released (RELEASED)
+        self._block_ids: dict[str, list[int]] = {}  # block_ids_of's answer, until the request's blocks change
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -82,8 +83,16 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def block_ids_of(self, request_id: str) -> list[int]:
-        """The request's block table."""
-        return [block.block_id for block in self.req_blocks.get(request_id, [])]
+        """The request's block table: the same list object for as long as the request's blocks
+        stay as they are (the step preparation does not rewrite a row it wrote from this very
+        list the step before), a new one once they change. Callers must not modify it."""
+        ids = self._block_ids.get(request_id)
+        if ids is None:
+            blocks = self.req_blocks.get(request_id)
+            if blocks is None:
+                return []      # holds no blocks: nothing kept for it (free() would not drop it)
+            ids = self._block_ids[request_id] = [block.block_id for block in blocks]
+        return ids
 
     def holds_blocks(self, request_id: str) -> bool:
         return bool(self.req_blocks.get(request_id))
@@ -127,6 +136,7 @@ class KVCacheManager:
                 if num_needed > self.pool.num_free_blocks:
                     return False
                 blocks.extend(self.pool.allocate(num_needed))
+                self._block_ids.pop(request.request_id, None)
             if num_tokens // self.block_size > self._num_registered.get(request.request_id, 0):
                 self._register_full_blocks(request, num_tokens)   # this step fills a block
             return True
@@ -139,6 +149,7 @@ class KVCacheManager:
         if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
             return False
         self.pool.touch(computed_blocks)
+        self._block_ids.pop(request.request_id, None)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(computed_blocks)
         if num_needed > 0:
@@ -175,12 +186,14 @@ class KVCacheManager:
             return 0
         freed = blocks[start:unread]
         blocks[start:unread] = [RELEASED] * len(freed)
+        self._block_ids.pop(request.request_id, None)
         self._num_released[request.request_id] = unread
         self.pool.free(list(reversed(freed)))
         return len(freed)
 
     def free(self, request: Request) -> None:
         blocks = [b for b in self.req_blocks.pop(request.request_id, []) if b is not RELEASED]
+        self._block_ids.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
@@ -201,6 +214,7 @@ class KVCacheManager:
         if len(blocks) > keep:
             extra = blocks[keep:]
             del blocks[keep:]
+            self._block_ids.pop(request.request_id, None)
             self.pool.free(list(reversed(extra)))
 
     def uncomputed_blocks(self, request: Request) -> KVCacheBlocks:

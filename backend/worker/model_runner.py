@@ -161,6 +161,9 @@ class ModelRunner:
         self.buffers = (StepBuffers.allocate(self.max_tokens, self.max_seqs, self.max_blocks_per_seq, self.device)
                         if on_cuda else self.host)
         self._host_np = self.host.numpy()
+        # Per row of the host block tables, the block-id list written there (block_ids_of hands
+        # out the same list while a request's blocks are unchanged): such a row is not rewritten.
+        self._tables_written: list[list[int] | None] = [None] * self.max_seqs
         # Set when the last host->device copy of the step buffers has been queued: the host
         # side must not be rewritten before it completes (a step without sampling never
         # waits for the GPU, so the next prepare() could otherwise race the copy).
@@ -334,7 +337,9 @@ class ModelRunner:
                 host["positions"][token:token + num_new] = positions
                 table = np.asarray(blocks, dtype=np.int64)
                 host["slot_mapping"][token:token + num_new] = table[positions // bs] * bs + positions % bs
-            host["block_tables"][row, :len(blocks)] = blocks
+            if self._tables_written[row] is not blocks:
+                host["block_tables"][row, :len(blocks)] = blocks
+                self._tables_written[row] = blocks
             token += num_new
             host["query_start_loc"][row + 1] = token
             host["seq_lens"][row] = end
