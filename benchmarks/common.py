@@ -40,17 +40,22 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters:
     return samples[len(samples) // 2]
 
 
-def best_of(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[str, float]:
-    """Best wall-clock seconds of each run over ``rounds`` rounds, the runs alternating within a
-    round (CPU machines are shared and drift: alternation keeps the comparison fair, the best
-    round is the one the host disturbed least)."""
-    best = {name: float("inf") for name in runs}
+def timed_rounds(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[str, list[float]]:
+    """Wall-clock seconds of each run in each of ``rounds`` rounds, the runs alternating within
+    a round (CPU machines are shared and drift: alternation keeps the comparison fair)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def best_of(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Best wall-clock seconds of each run over ``rounds`` alternating rounds (the best round is
+    the one the host disturbed least)."""
+    return {name: min(times) for name, times in timed_rounds(rounds, runs).items()}
 
 
 def alternating_medians(variants: dict[str, Callable[[], Any]], step: Callable[[], Any], rounds: int,

@@ -40,7 +40,6 @@ slow served steps"):
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import numpy as np
@@ -53,7 +52,7 @@ from backend.model.architecture import ModelArchitecture
 from backend.model.cpu_linear import (PackedLinear, native_kernel_available, native_linear, onednn_packing_available,
                                       pack_pairs, pack_panels)
 from backend.model.cpu_linear_tuning import projection_shapes
-from benchmarks.common import best_of
+from benchmarks.common import best_of, timed_rounds
 from benchmarks.cpu_attention import build_revision
 from benchmarks.step_cost import cpu_name
 from kernels import cpu_native
@@ -80,20 +79,6 @@ def kernel_build(cflags: tuple[str, ...], dtype: torch.dtype, revision: str | No
         packed = pack_pairs(weight)
         return lambda x: cpu_native.linear_bf16(x, packed, out_features, None, library=library)
     return make
-
-
-def spread_of(repeats: int, runs: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
-    """Seconds of each of ``repeats`` calls per run, the runs alternating (their order reversed
-    every other repetition, so that none always follows the same one), after one warm-up call each."""
-    for run in runs.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for repeat in range(repeats):
-        for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -173,7 +158,9 @@ def main() -> None:
                 return run
 
             if args.spread:
-                for path, times in spread_of(args.spread, {path: one_step(path) for path in layers}).items():
+                runs = {path: one_step(path) for path in layers}
+                timed_rounds(1, runs)                    # a warm-up call each, not counted
+                for path, times in timed_rounds(args.spread, runs).items():
                     q = np.quantile(times, [0.5, 0.9, 0.99]) * 1e3
                     print(f"| {rows} | {path} | {q[0]:.1f} | {q[1]:.1f} | {q[2]:.1f} | {max(times) * 1e3:.1f} "
                           f"| {q[2] / q[0]:.3f} |")

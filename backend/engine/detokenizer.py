@@ -28,12 +28,9 @@ def ids_decoder(tokenizer: Any) -> IdsDecoder:
     ``_decode`` nor cleans up spaces afterwards), the Rust decode is called directly: the
     detokenizer decodes twice per generated token, and transformers' wrapper around it (argument
     conversion, keyword handling) costs several times the decode itself."""
-    try:
-        from transformers import TokenizersBackend
-    except ImportError:   # an older transformers: no such class, the wrapper it is
-        TokenizersBackend = None
-    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
-            and type(tokenizer)._decode is TokenizersBackend._decode
+    from transformers import TokenizersBackend
+
+    if (isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode
             and not tokenizer.clean_up_tokenization_spaces):
         rust = tokenizer.backend_tokenizer
         return lambda ids: rust.decode(ids, skip_special_tokens=True)
@@ -44,7 +41,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False,
                  decode: IdsDecoder | None = None) -> None:
         """``decode``: ``ids_decoder(tokenizer)``, made once by a caller that has many requests."""
-        self.tokenizer = tokenizer
         self._decode = decode or ids_decoder(tokenizer)
         self.stop = stop
         self.include_stop = include_stop

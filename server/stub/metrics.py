@@ -114,9 +114,9 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 class ChangedGauge:
     """A Triton gauge that sends a value only when it differs from the last one sent. Each
     set() is a round trip to tritonserver, and the stub holds the interpreter lock through it
-    (about 37 us on the 2-core Zen 4 EPYC, docs/benchmarks.md "Metric calls hold the interpreter
-    lock"), so the engine thread's Python waits on every call; most gauges do not change between
-    two snapshots."""
+    (docs/benchmarks.md, "Host work per step, and metric calls that hold the interpreter lock"),
+    so the engine thread's Python waits on every call; most gauges do not change between two
+    snapshots."""
 
     def __init__(self, metric: Any) -> None:
         self._metric = metric
