@@ -116,6 +116,10 @@ class EngineConfig:
     speculative_max_batch_size: int = 4        # no drafts in a step whose running batch is larger: a full
                                                # batch is bound by compute, not by reading the weights
     seed: int = 0                              # engine-wide RNG for requests without a seed
+    stream_interval: int = 1                   # serving: a running stream's new tokens are handed out once this
+                                               # many have gathered (its first token and its end at once), so a
+                                               # server under many streams makes fewer response round trips;
+                                               # 1 = every step (vLLM's stream_interval)
     drain_timeout_s: float = 20.0              # serving: on shutdown or unload, how long requests in flight
                                                # may finish before they are aborted (the launcher sets
                                                # Triton's exit timeout above it)
@@ -204,6 +208,7 @@ class EngineConfig:
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be fcfs or priority")
         check(self.batching in ("continuous", "static"), "batching must be continuous or static")
         check(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+        check(self.stream_interval >= 1, "stream_interval must be >= 1 (1 = every token as it comes)")
         check(0 <= self.drain_timeout_s <= 3600, "drain_timeout_s must be in [0, 3600]")
         check(self.load_format in ("auto", "dummy"), "load_format must be auto or dummy")
         check(self.attention_backend in ("auto", "triton", "cpu", "reference"),

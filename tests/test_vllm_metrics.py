@@ -43,6 +43,7 @@ VLLM_FAMILIES = {
     "vllm:request_params_n": ("histogram", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]),
 }
 LABELS = {"model": "llm", "version": "1"}
+STREAM_INTERVAL = 4   # the vLLM-metrics server hands streams their tokens 4 at a time
 
 
 # ---- the stub side, with a stand-in for triton_python_backend_utils ---------------------------------
@@ -208,24 +209,27 @@ def scrape(url: str) -> tuple[dict[str, str], dict[str, str], dict[tuple[str, fr
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, model_dir: Path):
     """The server with REPORT_CUSTOM_METRICS on (speculative decoding off, its default: one token
-    per decode iteration, so the time_per_output_token count is known)."""
+    per decode iteration, so the time_per_output_token count is known), and streams' tokens
+    handed out 4 at a time (stream_interval): the families still count every token."""
     log = tmp_path_factory.mktemp("triton-vllm-metrics") / "server.log"
     srv = TritonServer(*free_ports(3), log_file=log,
-                       params={"REPORT_CUSTOM_METRICS": "true", "dtype": "float32", **FIXED_BUDGET_PARAMS})
+                       params={"REPORT_CUSTOM_METRICS": "true", "dtype": "float32",
+                               "stream_interval": str(STREAM_INTERVAL), **FIXED_BUDGET_PARAMS})
     srv.start(timeout=300)
     yield srv
     srv.stop()
 
 
-def run(server: TritonServer, prompt: str, stream: bool, sampling: dict) -> tuple[int, list[int]]:
-    """One request on a stream of its own: (prompt tokens, tokens generated per completion)."""
+def run(server: TritonServer, prompt: str, stream: bool, sampling: dict) -> tuple[int, list[int], int]:
+    """One request on a stream of its own: (prompt tokens, tokens generated per completion,
+    responses)."""
     inputs = vllm_inputs(prompt, stream, sampling, exclude_input_in_output=True, return_num_input_tokens=True,
                          return_num_output_tokens=True)
     responses = stream_request(server, inputs)
     assert all(error is None for _, error in responses), responses
     prompt_tokens = int(responses[-1][0].as_numpy("num_input_tokens").reshape(-1)[0])
     generated = np.sum([result.as_numpy("num_output_tokens") for result, _ in responses], axis=0)
-    return prompt_tokens, [int(tokens) for tokens in generated]
+    return prompt_tokens, [int(tokens) for tokens in generated], len(responses)
 
 
 @pytest.mark.server
@@ -239,7 +243,7 @@ def test_the_families_count_what_the_requests_imply(vllm_server: TritonServer) -
                 (shared + "Summarise:", False, {"max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 7,
                                                 "ignore_eos": True})]
     _, _, before = scrape(vllm_server.metrics_url)
-    results: dict[int, tuple[int, list[int]]] = {}
+    results: dict[int, tuple[int, list[int], int]] = {}
 
     def send(i: int) -> None:
         results[i] = run(vllm_server, *requests[i])
@@ -251,14 +255,15 @@ def test_the_families_count_what_the_requests_imply(vllm_server: TritonServer) -
         thread.join()
     helps, types, after = scrape(vllm_server.metrics_url)
     assert [results[i][1] for i in range(3)] == [[8], [6], [5, 5]]
+    assert results[1][2] == 3   # streamed, 6 tokens: the first, 4 gathered, the last with the end
 
     def delta(name: str, **labels: str) -> float:
         key = (name, frozenset({**LABELS, **labels}.items()))
         return after[key] - before.get(key, 0.0)
 
     # Each completion is a request of its own in vLLM: its whole prompt, its tokens.
-    prompts = [prompt_tokens for prompt_tokens, per_completion in results.values() for _ in per_completion]
-    generated = [tokens for _, per_completion in results.values() for tokens in per_completion]
+    prompts = [prompt_tokens for prompt_tokens, per_completion, _ in results.values() for _ in per_completion]
+    generated = [tokens for _, per_completion, _ in results.values() for tokens in per_completion]
     assert len(prompts) == len(generated) == 4
     assert delta("vllm:prompt_tokens_total") == sum(prompts)
     # ... while ours counts the prefill computed: the n=2 prompt's cached blocks once.

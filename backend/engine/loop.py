@@ -5,7 +5,9 @@ Thread ownership:
 - Callers (e.g. Triton's ``execute``) call ``submit`` / ``abort`` from any thread: both
   only validate and enqueue a command, then wake the loop; they never wait for a step.
 - Outputs are handed to each request's callback *on the loop thread*; callbacks must not
-  block (the Triton adapter puts them on its own sender thread's queue).
+  block (the Triton adapter puts them on its own sender thread's queue). With
+  ``stream_interval`` > 1 a running request's outputs are held and merged until that many
+  tokens have gathered; its first token, its end and any error go out at once.
 - When there is nothing to do the loop sleeps on a condition variable: an idle server
   uses no CPU.
 - ``drain`` (shutdown or model unload) refuses new submissions, lets what is in flight
@@ -149,6 +151,8 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}
         self._arrival: dict[str, float] = {}
         self._last_token_time: dict[str, float] = {}
+        self._stream_interval = engine.config.stream_interval
+        self._held: dict[str, RequestOutput] = {}   # stream_interval > 1: outputs not handed out yet
         # Read by other threads: a snapshot replaced (never mutated) after every iteration,
         # and latency samples appended here and drained by a metrics reader.
         self.stats: EngineStats = engine.stats()
@@ -360,9 +364,11 @@ class EngineLoop:
             callback = self._callbacks.get(request_id)
             if callback is None:
                 continue
+            first_tokens = False
             if output.new_token_ids:
                 last = self._last_token_time.get(request_id)
-                if last is None:
+                first_tokens = last is None
+                if first_tokens:
                     self.latency_samples.append(LatencySample("ttft", now - self._arrival[request_id]))
                 else:
                     self.latency_samples.append(LatencySample("itl", now - last))
@@ -371,15 +377,38 @@ class EngineLoop:
                 self.latency_samples.append(LatencySample("e2e", now - self._arrival[request_id]))
                 del self._callbacks[request_id], self._arrival[request_id]
                 self._last_token_time.pop(request_id, None)
-            try:
-                if output.error is not None:
-                    callback(output.error)   # e.g. its grammar did not compile: the request's fault
-                elif output.finish_reason is FinishReason.ERROR:   # failed inside a step, alone: an error, not text
-                    callback(EngineStepError(f"request failed in an engine step: {output.finish_message}"))
-                else:
-                    callback(output)
-            except Exception:
-                logger.exception("output callback of %s failed", request_id)
+            if self._stream_interval > 1:
+                output = self._hold_or_release(output, callback, first_tokens)
+                if output is None:
+                    continue
+            self._hand_out(output, callback)
+
+    def _hold_or_release(self, output: RequestOutput, callback: OutputCallback, first_tokens: bool,
+                         ) -> RequestOutput | None:
+        """stream_interval > 1: the output to hand out now (merged with what was held), or None
+        while a running request has fewer than stream_interval tokens gathered."""
+        held = self._held.pop(output.request_id, None)
+        failed = output.error is not None or output.finish_reason is FinishReason.ERROR
+        if held is not None:
+            if failed:   # the tokens before the failure still reach the client, then the error
+                self._hand_out(held, callback)
+            else:
+                output = held.merged_with(output)
+        if output.finished or first_tokens or len(output.new_token_ids) >= self._stream_interval:
+            return output
+        self._held[output.request_id] = output
+        return None
+
+    def _hand_out(self, output: RequestOutput, callback: OutputCallback) -> None:
+        try:
+            if output.error is not None:
+                callback(output.error)   # e.g. its grammar did not compile: the request's fault
+            elif output.finish_reason is FinishReason.ERROR:   # failed inside a step, alone: an error, not text
+                callback(EngineStepError(f"request failed in an engine step: {output.finish_message}"))
+            else:
+                callback(output)
+        except Exception:
+            logger.exception("output callback of %s failed", output.request_id)
 
     def _abort_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):
@@ -406,7 +435,10 @@ class EngineLoop:
         self._callbacks.clear()
         self._arrival.clear()
         self._last_token_time.clear()
+        held, self._held = self._held, {}
         for request_id, callback in callbacks.items():
+            if request_id in held:   # tokens generated before the failure still go out first
+                self._hand_out(held[request_id], callback)
             try:
                 callback(error)
             except Exception:

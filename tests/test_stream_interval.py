@@ -1,0 +1,108 @@
+"""stream_interval (vLLM's name): a running request's tokens are handed out once that many
+have gathered, its first token, its end and any error at once; nothing is lost or reordered."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import pytest
+
+from backend import Engine, EngineConfig, RequestOutput, SamplingParams
+from backend.engine.loop import EngineLoop, EngineStepError
+from tests.conftest import FIXED_BUDGET
+
+INTERVAL = 4
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=256, max_num_seqs=4,
+                               stream_interval=INTERVAL))
+
+
+@pytest.fixture
+def loop(engine: Engine):
+    loop = EngineLoop(engine).start()
+    yield loop
+    loop.stop()
+    engine.check_invariants()
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+def collect(q: queue.Queue, timeout: float = 60) -> list[RequestOutput | BaseException]:
+    items = []
+    while True:
+        item = q.get(timeout=timeout)
+        items.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            return items
+
+
+def test_tokens_go_out_first_then_every_interval_then_the_end(engine: Engine, loop: EngineLoop) -> None:
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=2)
+    [expected] = engine.generate(["The sky is"], params)
+    got = queue.Queue()
+    loop.submit("r", "The sky is", params, got.put)
+    outputs = collect(got)
+    # 1 (the first token at once), 4, 4, then the last 2 with the finish.
+    assert [len(o.new_token_ids) for o in outputs] == [1, INTERVAL, INTERVAL, 2]
+    assert [t for o in outputs for t in o.new_token_ids] == expected.token_ids
+    assert "".join(o.new_text for o in outputs) == expected.text
+    assert [len(o.new_logprobs) for o in outputs] == [len(o.new_token_ids) for o in outputs]
+    assert [o.num_output_tokens for o in outputs] == [1, 5, 9, 11]
+    assert outputs[-1].logprobs == expected.logprobs
+
+
+def test_an_output_shorter_than_the_interval_ends_in_one_response(loop: EngineLoop) -> None:
+    got = queue.Queue()
+    loop.submit("short", "Hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), got.put)
+    outputs = collect(got)
+    assert [len(o.new_token_ids) for o in outputs] == [1, 2]
+    assert outputs[-1].finish_reason == "length"
+
+
+def test_an_abort_hands_out_the_held_tokens_with_the_final_output(engine: Engine, loop: EngineLoop,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    got = queue.Queue()
+    real_execute, calls = engine.runner.execute, {"n": 0}
+
+    def counting_execute(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:   # two tokens after the first are held by now: abort before the next
+            loop.abort("cut")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", counting_execute)
+    loop.submit("cut", "Tell me a story", SamplingParams(max_tokens=200, ignore_eos=True), got.put)
+    outputs = collect(got)
+    final = outputs[-1]
+    assert final.finish_reason == "abort"
+    assert sum(len(o.new_token_ids) for o in outputs) == final.num_output_tokens >= 3
+    assert len(outputs) == 2   # the first token, then everything else with the end
+
+
+def test_a_failed_step_hands_out_the_held_tokens_before_the_error(engine: Engine, loop: EngineLoop,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    got = queue.Queue()
+    real_execute, calls = engine.runner.execute, {"n": 0}
+
+    def flaky_execute(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:   # after the first token and two held ones
+            raise RuntimeError("simulated device failure")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky_execute)
+    loop.submit("victim", "Hello", SamplingParams(max_tokens=50, ignore_eos=True), got.put)
+    outputs = collect(got)
+    assert isinstance(outputs[-1], EngineStepError)
+    assert [len(o.new_token_ids) for o in outputs[:-1]] == [1, 2]
+    assert not any(o.finished for o in outputs[:-1])
+
+
+def test_the_interval_is_an_engine_parameter_of_at_least_one() -> None:
+    assert EngineConfig.from_dict({"stream_interval": "8"}).stream_interval == 8
+    assert EngineConfig().stream_interval == 1
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
