@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from backend import Engine, EngineConfig, RequestOutput, SamplingParams
+from backend import Engine, EngineConfig, SamplingParams
 from backend.engine.loop import EngineLoop, EngineStepError
 from tests.conftest import FIXED_BUDGET
+from tests.test_engine_loop import collect
 
 INTERVAL = 4
 
@@ -28,15 +29,6 @@ def loop(engine: Engine):
     loop.stop()
     engine.check_invariants()
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
-
-
-def collect(q: queue.Queue, timeout: float = 60) -> list[RequestOutput | BaseException]:
-    items = []
-    while True:
-        item = q.get(timeout=timeout)
-        items.append(item)
-        if isinstance(item, BaseException) or item.finished:
-            return items
 
 
 def test_tokens_go_out_first_then_every_interval_then_the_end(engine: Engine, loop: EngineLoop) -> None:
