@@ -237,3 +237,13 @@ def test_prefill_precision_benchmark_runs(tmp_path: Path) -> None:
              "fp16": bool(library.prefill_attention_bf16_fp16_built())}
     assert all(set(row) == {k for k, has in built.items() if has} for row in rows), result
     assert all(row["fma"] < 1e-2 for row in rows if "fma" in row), result
+
+
+def test_detokenizer_speed_benchmark_runs() -> None:
+    """Both detokenizer paths over the three id sequences (docs/benchmarks.md, host work)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.detokenizer_speed", "--repeats", "1"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "us/token" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| random ids < 1024", "| random ids, whole vocabulary",
+                                                     "| README text"]

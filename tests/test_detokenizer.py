@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from backend import Engine, EngineConfig, RequestOutput, SamplingParams
-from backend.engine.detokenizer import IncrementalDetokenizer, ids_decoder
+from backend.engine.detokenizer import IncrementalDetokenizer, ids_decoder, rust_tokenizer
 from tests.conftest import FIXED_BUDGET
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
@@ -73,12 +73,28 @@ def stream(engine: Engine, request_id: str, prompt: str | list[int], params: Sam
     return Streamed(outputs[-1], outputs)
 
 
-def feed(tokenizer: Any, ids: Sequence[int], stop: list[str] | None = None,
+@pytest.fixture(params=["python", "decode_stream"])
+def rust(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
+    """The detokenizer's two paths: its Python decodes alone (the reference), or the Rust
+    tokenizers' DecodeStream (what the engine runs for SmolLM2's tokenizer)."""
+    if request.param == "python":
+        return None
+    rust = rust_tokenizer(tokenizer)
+    assert rust is not None
+    return rust
+
+
+def new_detokenizer(tokenizer: Any, rust: Any, prompt_ids: Sequence[int], stop: list[str],
+                    include_stop: bool = False) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, list(prompt_ids), stop, include_stop, rust=rust)
+
+
+def feed(tokenizer: Any, rust: Any, ids: Sequence[int], stop: list[str] | None = None,
          prompt_ids: Sequence[int] = (), include_stop: bool = False,
          ) -> tuple[list[str], str | None, IncrementalDetokenizer, int]:
     """Feed ids one by one as the engine does; returns deltas, the stop hit, the detokenizer
     and how many ids were consumed (generation ends at a stop string)."""
-    detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), stop or [], include_stop)
+    detok = new_detokenizer(tokenizer, rust, prompt_ids, stop or [], include_stop)
     deltas: list[str] = []
     for n, token in enumerate(ids, start=1):
         delta, hit = detok.add_token(token)
@@ -93,7 +109,7 @@ def feed(tokenizer: Any, ids: Sequence[int], stop: list[str] | None = None,
 
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("prompt", ["", "Hello", "chat"])
-def test_deltas_concatenate_to_full_decode(tokenizer: Any, text: str, prompt: str) -> None:
+def test_deltas_concatenate_to_full_decode(tokenizer: Any, rust: Any, text: str, prompt: str) -> None:
     if prompt == "chat":
         chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                              add_generation_prompt=True)
@@ -101,7 +117,7 @@ def test_deltas_concatenate_to_full_decode(tokenizer: Any, text: str, prompt: st
     else:
         prompt_ids = tokenizer(prompt).input_ids if prompt else []
     ids = tokenizer(text).input_ids
-    deltas, hit, detok, _ = feed(tokenizer, ids, prompt_ids=prompt_ids)
+    deltas, hit, detok, _ = feed(tokenizer, rust, ids, prompt_ids=prompt_ids)
     expected = tokenizer.decode(ids, skip_special_tokens=True)
     assert expected == text                      # the tokenizer round-trips these texts
     assert hit is None
@@ -111,29 +127,54 @@ def test_deltas_concatenate_to_full_decode(tokenizer: Any, text: str, prompt: st
         assert "\ufffd" not in delta, f"replacement character streamed: {deltas!r}"
 
 
-def test_multibyte_characters_really_span_several_tokens(tokenizer: Any) -> None:
+def test_multibyte_characters_really_span_several_tokens(tokenizer: Any, rust: Any) -> None:
     # Precondition of the tests above: single tokens decode to U+FFFD for these characters.
     for text in ("🎉👍🏽", "日本語のテキスト"):
         ids = tokenizer(text).input_ids
         assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
-        deltas, _, _, _ = feed(tokenizer, ids)
+        deltas, _, _, _ = feed(tokenizer, rust, ids)
         assert "" in deltas[:-1]                  # some tokens had to be held back
 
 
-def test_ascii_tokens_are_released_immediately(tokenizer: Any) -> None:
+def test_ascii_tokens_are_released_immediately(tokenizer: Any, rust: Any) -> None:
     ids = tokenizer(" leading space\n\nnew line, ok").input_ids
-    deltas, _, _, _ = feed(tokenizer, ids)
+    deltas, _, _, _ = feed(tokenizer, rust, ids)
     assert deltas[:-1] == [tokenizer.decode([i]) for i in ids]
     assert deltas[-1] == ""                       # finish() had nothing left to release
 
 
-def test_special_tokens_in_the_stream_are_skipped(tokenizer: Any) -> None:
+def test_special_tokens_in_the_stream_are_skipped(tokenizer: Any, rust: Any) -> None:
     ids = tokenizer("Hi").input_ids + [EOS] + tokenizer(" there 🎉").input_ids + [1]
-    deltas, _, _, _ = feed(tokenizer, ids)
+    deltas, _, _, _ = feed(tokenizer, rust, ids)
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == "Hi there 🎉"
 
 
 # ---- the decode the detokenizer calls --------------------------------------------------------
+
+def test_the_decode_stream_releases_what_the_python_path_releases(tokenizer: Any) -> None:
+    """Random ids over the whole vocabulary (byte pieces that are half a character, special
+    tokens, rare merges), after random prompts: the same delta at every token, the same text
+    held back and released by finish, whatever the stop strings."""
+    rust = rust_tokenizer(tokenizer)
+    rng = random.Random(1)
+    for case in range(60):
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.choice([0, 1, 3, 8]))]
+        ids = [rng.randrange(len(tokenizer)) if rng.random() < 0.7 else rng.randrange(256) for _ in range(40)]
+        stop = ["e", "th"] if case % 3 == 0 else []
+        reference = feed(tokenizer, None, ids, stop, prompt)
+        streamed = feed(tokenizer, rust, ids, stop, prompt)
+        assert streamed[0] == reference[0], (prompt, ids)
+        assert (streamed[1], streamed[2].text, streamed[3]) == (reference[1], reference[2].text, reference[3])
+
+
+def test_a_failing_decode_stream_hands_over_to_the_python_path(tokenizer: Any) -> None:
+    """A stream that raises (here: no Rust tokenizer to step with) is dropped, and the Python
+    path goes on from the same window: nothing is lost or repeated."""
+    ids = tokenizer("Hi 🎉 there, 日本語!").input_ids
+    deltas, _, detok, _ = feed(tokenizer, object(), ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert detok._stream is None
+
 
 def test_the_direct_decode_is_the_tokenizers_decode(tokenizer: Any) -> None:
     """ids_decoder calls the Rust tokenizer itself for SmolLM2's tokenizer (loaded as the engine
@@ -179,10 +220,10 @@ def test_a_decode_transformers_changes_is_called_as_it_is(tokenizer: Any) -> Non
     assert calls == [[42, 43]]
 
 
-def test_finish_releases_an_incomplete_character(tokenizer: Any) -> None:
+def test_finish_releases_an_incomplete_character(tokenizer: Any, rust: Any) -> None:
     ids = tokenizer("ok 🎉").input_ids
     truncated = ids[:-1]                          # the emoji's last byte never comes
-    deltas, _, _, _ = feed(tokenizer, truncated)
+    deltas, _, _, _ = feed(tokenizer, rust, truncated)
     assert "".join(deltas) == tokenizer.decode(truncated, skip_special_tokens=True)
     assert "\ufffd" not in "".join(deltas[:-1])   # only finish() may release the broken tail
 
@@ -209,10 +250,10 @@ def assert_no_stop_prefix_leaked(deltas: list[str], final_text: str) -> None:
     ("The", "", 1),                          # the very first token
     ("dog.", "The quick brown fox jumps over the lazy ", 10),   # the last two tokens
 ])
-def test_stop_string_ends_generation_and_is_not_emitted(tokenizer: Any, stop: str, expected_text: str,
+def test_stop_string_ends_generation_and_is_not_emitted(tokenizer: Any, rust: Any, stop: str, expected_text: str,
                                                         expected_tokens: int) -> None:
     ids = tokenizer(FOX).input_ids
-    deltas, hit, detok, consumed = feed(tokenizer, ids, [stop])
+    deltas, hit, detok, consumed = feed(tokenizer, rust, ids, [stop])
     assert hit == stop
     assert consumed == expected_tokens
     assert detok.text == expected_text
@@ -220,19 +261,19 @@ def test_stop_string_ends_generation_and_is_not_emitted(tokenizer: Any, stop: st
     assert_no_stop_prefix_leaked(deltas, expected_text)
 
 
-def test_stop_string_spanning_multibyte_tokens(tokenizer: Any) -> None:
+def test_stop_string_spanning_multibyte_tokens(tokenizer: Any, rust: Any) -> None:
     text = "Price: 日本語のテキスト and more"
     ids = tokenizer(text).input_ids
-    deltas, hit, detok, _ = feed(tokenizer, ids, ["本語の"])
+    deltas, hit, detok, _ = feed(tokenizer, rust, ids, ["本語の"])
     assert hit == "本語の"
     assert detok.text == "Price: 日"
     assert_no_stop_prefix_leaked(deltas, "Price: 日")
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_partial_stop_that_is_not_a_stop_is_released(tokenizer: Any) -> None:
+def test_partial_stop_that_is_not_a_stop_is_released(tokenizer: Any, rust: Any) -> None:
     ids = tokenizer(FOX).input_ids
-    detok = IncrementalDetokenizer(tokenizer, [], ["lazy cat"])
+    detok = new_detokenizer(tokenizer, rust, [], ["lazy cat"])
     streamed = ""
     held_back_seen = False
     for token in ids:
@@ -249,10 +290,10 @@ def test_partial_stop_that_is_not_a_stop_is_released(tokenizer: Any) -> None:
     assert detok.finish() == ""
 
 
-def test_partial_stop_at_the_end_is_released_by_finish(tokenizer: Any) -> None:
+def test_partial_stop_at_the_end_is_released_by_finish(tokenizer: Any, rust: Any) -> None:
     text = "over the lazy dog"
     ids = tokenizer(text).input_ids
-    detok = IncrementalDetokenizer(tokenizer, [], [" dog!"])
+    detok = new_detokenizer(tokenizer, rust, [], [" dog!"])
     streamed = "".join(detok.add_token(t)[0] for t in ids)
     assert streamed == "over the lazy"            # " dog" is held back: it may become " dog!"
     assert detok.finish() == " dog"
@@ -260,9 +301,9 @@ def test_partial_stop_at_the_end_is_released_by_finish(tokenizer: Any) -> None:
 
 @pytest.mark.parametrize("stops", [["brown", "quick brown"], ["quick brown", "brown"],
                                    ["ick", "qu"], ["over", "fox", "jumps"], ["e", "Th"]])
-def test_earliest_stop_string_wins(tokenizer: Any, stops: list[str]) -> None:
+def test_earliest_stop_string_wins(tokenizer: Any, rust: Any, stops: list[str]) -> None:
     ids = tokenizer(FOX).input_ids
-    deltas, hit, detok, _ = feed(tokenizer, ids, stops)
+    deltas, hit, detok, _ = feed(tokenizer, rust, ids, stops)
     matches = [(FOX.find(s), s) for s in stops]
     # The stop that completes first in the stream ends it; among those completing in the same
     # token, the one starting earliest in the text. Compute it independently by prefix length.
@@ -275,10 +316,10 @@ def test_earliest_stop_string_wins(tokenizer: Any, stops: list[str]) -> None:
     assert_no_stop_prefix_leaked(deltas, FOX[:expected_index])
 
 
-def test_earliest_match_wins_within_one_token_regardless_of_list_order(tokenizer: Any) -> None:
+def test_earliest_match_wins_within_one_token_regardless_of_list_order(tokenizer: Any, rust: Any) -> None:
     ids = tokenizer(FOX).input_ids
     for stops in (["ick", "qu"], ["qu", "ick"]):
-        _, hit, detok, consumed = feed(tokenizer, ids, stops)
+        _, hit, detok, consumed = feed(tokenizer, rust, ids, stops)
         assert (hit, detok.text, consumed) == ("qu", "The ", 2)
 
 
@@ -288,10 +329,10 @@ def test_earliest_match_wins_within_one_token_regardless_of_list_order(tokenizer
     ("row", "The quick brow", 3),
     ("dog.", FOX, 10),
 ])
-def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tokenizer: Any, stop: str, expected_text: str,
+def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tokenizer: Any, rust: Any, stop: str, expected_text: str,
                                                                    expected_tokens: int) -> None:
     ids = tokenizer(FOX).input_ids
-    detok = IncrementalDetokenizer(tokenizer, [], [stop, "quick brown cat"], include_stop=True)
+    detok = new_detokenizer(tokenizer, rust, [], [stop, "quick brown cat"], include_stop=True)
     streamed, hit, consumed = "", None, 0
     while hit is None:
         delta, hit = detok.add_token(ids[consumed])
@@ -302,12 +343,12 @@ def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tokenizer: An
     assert (hit, consumed, detok.text, streamed) == (stop, expected_tokens, expected_text, expected_text)
 
 
-def test_a_stop_string_completed_before_min_tokens_is_not_found_later(tokenizer: Any) -> None:
+def test_a_stop_string_completed_before_min_tokens_is_not_found_later(tokenizer: Any, rust: Any) -> None:
     """Only stop strings that end in the new text count (vLLM's window): "quick", completed
     while stops were not checked, must not cut text that was already released."""
     ids = tokenizer(FOX).input_ids
     for include_stop in (False, True):
-        detok = IncrementalDetokenizer(tokenizer, [], ["quick", "a much longer stop string"], include_stop)
+        detok = new_detokenizer(tokenizer, rust, [], ["quick", "a much longer stop string"], include_stop)
         streamed = "".join(detok.add_token(t, check_stop=False)[0] for t in ids[:2])
         for token in ids[2:]:
             delta, hit = detok.add_token(token)

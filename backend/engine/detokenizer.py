@@ -16,31 +16,45 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from tokenizers.decoders import DecodeStream
+
 # Prompt tokens kept as decoding context for the first generated tokens.
 _CONTEXT_TOKENS = 5
 
 IdsDecoder = Callable[[list[int]], str]
 
 
-def ids_decoder(tokenizer: Any) -> IdsDecoder:
-    """``tokenizer.decode(ids, skip_special_tokens=True)`` as one callable. Where that decode is
-    exactly the Rust tokenizer's (a tokenizers-backed tokenizer that neither overrides
-    ``_decode`` nor cleans up spaces afterwards), the Rust decode is called directly: the
-    detokenizer decodes twice per generated token, and transformers' wrapper around it (argument
-    conversion, keyword handling) costs several times the decode itself."""
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind ``tokenizer`` where its decode is exactly
+    ``tokenizer.decode`` (a tokenizers-backed tokenizer that neither overrides ``_decode`` nor
+    cleans up spaces afterwards), else None."""
     from transformers import TokenizersBackend
 
     if (isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode
             and not tokenizer.clean_up_tokenization_spaces):
-        rust = tokenizer.backend_tokenizer
+        return tokenizer.backend_tokenizer
+    return None
+
+
+def ids_decoder(tokenizer: Any) -> IdsDecoder:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` as one callable, calling the Rust
+    decode directly where it is the same (``rust_tokenizer``): transformers' wrapper around it
+    (argument conversion, keyword handling) costs several times the decode itself."""
+    rust = rust_tokenizer(tokenizer)
+    if rust is not None:
         return lambda ids: rust.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False,
-                 decode: IdsDecoder | None = None) -> None:
-        """``decode``: ``ids_decoder(tokenizer)``, made once by a caller that has many requests."""
+                 decode: IdsDecoder | None = None, rust: Any | None = None) -> None:
+        """``decode``: ``ids_decoder(tokenizer)``, made once by a caller that has many requests.
+        ``rust``: ``rust_tokenizer(tokenizer)``; given, a token's text is released by the Rust
+        tokenizers' ``DecodeStream``, one call per token instead of two decodes from Python.
+        It keeps the same window as the Python path (the same left context, released where no
+        incomplete character is left), so the deltas are the same; the Python path stays the
+        reference, releases what is held at ``finish``, and takes over if the stream fails."""
         self._decode = decode or ids_decoder(tokenizer)
         self.stop = stop
         self.include_stop = include_stop
@@ -50,8 +64,23 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)      # tokens before this are already in `text`
         self.text = ""                          # all generated text so far (truncated at a stop string)
         self._num_emitted = 0                   # chars of `text` already returned as deltas
+        self._rust = rust
+        self._stream = None if rust is None else DecodeStream(ids=list(self._ids), skip_special_tokens=True)
 
     def _pending_text(self, force: bool) -> str:
+        if self._stream is not None and not force:
+            try:
+                text = self._stream.step(self._rust, self._ids[-1])
+            except Exception:  # noqa: BLE001 - e.g. its prefix check failed: the Python path from here
+                self._stream = None
+                return self._python_pending_text(force)
+            if text is None:
+                return ""
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return text
+        return self._python_pending_text(force)
+
+    def _python_pending_text(self, force: bool) -> str:
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not force):

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from backend.core.request import Request
-from backend.engine.detokenizer import IncrementalDetokenizer, ids_decoder
+from backend.engine.detokenizer import IncrementalDetokenizer, ids_decoder, rust_tokenizer
 from backend.outputs import FinishReason, Logprob, RequestOutput
 
 
@@ -21,6 +21,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self._decode = ids_decoder(tokenizer)
+        self._rust = rust_tokenizer(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -29,7 +30,8 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output, self._decode)
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output, self._decode,
+            self._rust)
 
     def append_tokens(self, request: Request, token_ids: list[int], logprobs: dict[int, Logprob] | None,
                       ) -> RequestOutput:
