@@ -151,6 +151,20 @@ def test_special_tokens_in_the_stream_are_skipped(tokenizer: Any, rust: Any) -> 
 
 # ---- the decode the detokenizer calls --------------------------------------------------------
 
+@pytest.mark.parametrize("text", ["Say: 𝕏𝕏 ok", "価格は€5です 🎉 done", "🧑‍🚀 and 日本語"])
+def test_a_prompt_that_ends_inside_a_character_is_no_context(tokenizer: Any, rust: Any, text: str) -> None:
+    """Ids cut inside a character and sent back as the prompt (a continuation): the new tokens'
+    text is exactly their own decode, the prompt's half character left out of it, on both paths."""
+    ids = tokenizer(text).input_ids
+    cuts = [n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts   # the precondition: these texts have characters that span tokens
+    for cut in cuts:
+        prompt, generated = ids[:cut], ids[cut:]
+        deltas, hit, _, _ = feed(tokenizer, rust, generated, ["Say", "価格"], prompt_ids=prompt)
+        assert hit is None, (cut, deltas)
+        assert "".join(deltas) == tokenizer.decode(generated, skip_special_tokens=True), cut
+
+
 def test_the_decode_stream_releases_what_the_python_path_releases(tokenizer: Any) -> None:
     """Random ids over the whole vocabulary (byte pieces that are half a character, special
     tokens, rare merges), after random prompts: the same delta at every token, the same text

@@ -60,6 +60,12 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A prompt given as ids may end inside a character (a generation cut there and sent
+        # back to continue): its last tokens are then no context. Kept, the Python path would
+        # swallow the character the new tokens complete, and the DecodeStream would never set
+        # its prefix and release the context's own text as generated text.
+        while self._ids and self._decode(self._ids).endswith("\ufffd"):
+            self._ids.pop()
         self._prefix_offset = 0                 # decode window start (left context)
         self._read_offset = len(self._ids)      # tokens before this are already in `text`
         self.text = ""                          # all generated text so far (truncated at a stop string)
