@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,23 @@ def test_submit_from_threads_and_match_offline_generate(engine: Engine) -> None:
     engine.check_invariants()
 
 
+def before_forward(engine: Engine, monkeypatch: pytest.MonkeyPatch, call: int, action: Callable[[], None]) -> None:
+    """Run ``action`` just before the engine's ``call``-th forward from now (1 = the next)."""
+    real_execute, calls = engine.runner.execute, {"n": 0}
+
+    def execute(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            action()
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+def fail_the_step() -> None:
+    raise RuntimeError("simulated device failure")
+
+
 def _thread_cpu_while_idle(loop: EngineLoop) -> float:
     start = time.process_time()
     time.sleep(1.0)
@@ -93,16 +111,7 @@ def test_a_failing_step_fails_in_flight_requests_and_the_loop_keeps_serving(engi
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     loop = EngineLoop(engine).start()
     try:
-        real_execute = engine.runner.execute
-        calls = {"n": 0}
-
-        def flaky_execute(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("simulated device failure")
-            return real_execute(*args, **kwargs)
-
-        monkeypatch.setattr(engine.runner, "execute", flaky_execute)
+        before_forward(engine, monkeypatch, 2, fail_the_step)
         victim = queue.Queue()
         loop.submit("victim", "Hello", SamplingParams(max_tokens=50, ignore_eos=True), victim.put)
         assert isinstance(collect(victim)[-1], EngineStepError)

@@ -11,7 +11,7 @@ import pytest
 from backend import Engine, EngineConfig, SamplingParams
 from backend.engine.loop import EngineLoop, EngineStepError
 from tests.conftest import FIXED_BUDGET
-from tests.test_engine_loop import collect
+from tests.test_engine_loop import before_forward, collect, fail_the_step
 
 INTERVAL = 4
 
@@ -57,15 +57,8 @@ def test_an_output_shorter_than_the_interval_ends_in_one_response(loop: EngineLo
 def test_an_abort_hands_out_the_held_tokens_with_the_final_output(engine: Engine, loop: EngineLoop,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     got = queue.Queue()
-    real_execute, calls = engine.runner.execute, {"n": 0}
-
-    def counting_execute(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:   # two tokens after the first are held by now: abort before the next
-            loop.abort("cut")
-        return real_execute(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "execute", counting_execute)
+    # Two tokens after the first are held by the third forward: abort before it runs.
+    before_forward(engine, monkeypatch, 3, lambda: loop.abort("cut"))
     loop.submit("cut", "Tell me a story", SamplingParams(max_tokens=200, ignore_eos=True), got.put)
     outputs = collect(got)
     final = outputs[-1]
@@ -77,15 +70,7 @@ def test_an_abort_hands_out_the_held_tokens_with_the_final_output(engine: Engine
 def test_a_failed_step_hands_out_the_held_tokens_before_the_error(engine: Engine, loop: EngineLoop,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     got = queue.Queue()
-    real_execute, calls = engine.runner.execute, {"n": 0}
-
-    def flaky_execute(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:   # after the first token and two held ones
-            raise RuntimeError("simulated device failure")
-        return real_execute(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "execute", flaky_execute)
+    before_forward(engine, monkeypatch, 4, fail_the_step)   # after the first token and two held ones
     loop.submit("victim", "Hello", SamplingParams(max_tokens=50, ignore_eos=True), got.put)
     outputs = collect(got)
     assert isinstance(outputs[-1], EngineStepError)

@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
         self.text = ""                          # all generated text so far (truncated at a stop string)
         self._num_emitted = 0                   # chars of `text` already returned as deltas
         self._rust = rust
-        self._stream = None if rust is None else DecodeStream(ids=list(self._ids), skip_special_tokens=True)
+        self._stream = None if rust is None else DecodeStream(ids=self._ids, skip_special_tokens=True)
 
     def _pending_text(self, force: bool) -> str:
         if self._stream is not None and not force:
