@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.core.request import RequestStatus
 from backend.engine.loop import EngineLoop, EngineStepError
 from tests.conftest import FIXED_BUDGET
 from tests.test_engine_loop import before_forward, collect, fail_the_step
@@ -83,3 +84,45 @@ def test_the_interval_is_an_engine_parameter_of_at_least_one() -> None:
     assert EngineConfig().stream_interval == 1
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(stream_interval=0)
+
+
+def test_a_preempted_request_hands_out_what_it_held(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four blocks of 16 tokens hold both requests' prompts but not both outputs: the later one
+    # is preempted part-way, and whatever of it was held must reach its client then, not only
+    # once it has been scheduled again. (With these prompts it is preempted holding 3 tokens.)
+    engine = Engine(EngineConfig(model=str(model_dir), **FIXED_BUDGET, num_kv_blocks=4, max_num_seqs=2,
+                                 enable_prefix_caching=False, stream_interval=INTERVAL))
+    loop = EngineLoop(engine)
+    received: dict[str, int] = {"first": 0, "second": 0}
+    held_at_preemption: list[int] = []
+    real_deliver = loop._deliver
+
+    def deliver(outputs):   # after each step's delivery: what a waiting (preempted) request's client has
+        real_deliver(outputs)
+        request = engine.requests.get("second")
+        if request is not None and request.status is RequestStatus.WAITING and request.num_output_tokens:
+            held_at_preemption.append(request.num_output_tokens - received["second"])
+
+    monkeypatch.setattr(loop, "_deliver", deliver)
+    queues = {name: queue.Queue() for name in received}
+
+    def count(name: str):
+        def put(item) -> None:
+            if not isinstance(item, BaseException):
+                received[name] += len(item.new_token_ids)
+            queues[name].put(item)
+        return put
+
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        loop.submit("first", "The sky is", params, count("first"))
+        loop.submit("second", "Tell me a long story", params, count("second"))
+        finals = {name: collect(q)[-1] for name, q in queues.items()}
+    finally:
+        loop.stop()
+    assert engine.stats().num_preemptions > 0, "nobody was preempted"
+    assert held_at_preemption and held_at_preemption == [0] * len(held_at_preemption)
+    assert [finals[name].num_output_tokens for name in received] == [40, 40]
+    assert received == {"first": 40, "second": 40}
+    engine.check_invariants()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backend.config import EngineConfig
+from backend.core.request import RequestStatus
 from backend.engine.engine import Engine
 from backend.engine.stats import EngineStats
 from backend.engine.tokenizer import load_tokenizer
@@ -153,6 +154,7 @@ class EngineLoop:
         self._last_token_time: dict[str, float] = {}
         self._stream_interval = engine.config.stream_interval
         self._held: dict[str, RequestOutput] = {}   # stream_interval > 1: outputs not handed out yet
+        self._preemptions_seen = 0   # the scheduler's count when held outputs were last checked
         # Read by other threads: a snapshot replaced (never mutated) after every iteration,
         # and latency samples appended here and drained by a metrics reader.
         self.stats: EngineStats = engine.stats()
@@ -382,6 +384,20 @@ class EngineLoop:
                 if output is None:
                     continue
             self._hand_out(output, callback)
+        if self._held:
+            self._release_preempted()
+
+    def _release_preempted(self) -> None:
+        """Hand out what is held for requests that this step preempted: they produce nothing
+        until they are scheduled again, which under memory pressure may be long."""
+        preemptions = self.engine.scheduler.num_preemptions
+        if preemptions == self._preemptions_seen:
+            return
+        self._preemptions_seen = preemptions
+        for request_id in list(self._held):
+            request = self.engine.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.WAITING:
+                self._hand_out(self._held.pop(request_id), self._callbacks[request_id])
 
     def _hold_or_release(self, output: RequestOutput, callback: OutputCallback, first_tokens: bool,
                          ) -> RequestOutput | None:
