@@ -103,6 +103,11 @@ class EngineConfig:
                                                # (kernels/csrc/layer_ops.c), in Triton with the triton attention
                                                # backend (kernels/triton_layer_ops.py); false: torch ops
     enforce_eager: bool = False                # CUDA: never replay CUDA graphs for decode steps
+    async_scheduling: bool = False             # schedule and launch step n+1 before reading step n's tokens, so the
+                                               # host's work overlaps the device's (vLLM's --async-scheduling;
+                                               # backend/engine/overlap.py); steps with requests that need their
+                                               # last token on the host first (seeds, logprobs, penalties, grammars)
+                                               # run as before
     cuda_graph_mixed_steps: bool = True        # CUDA: also replay graphs for steps with prefill chunks or drafts
                                                # (one per power-of-two token count up to the budget;
                                                # backend/worker/cuda_graphs.py)
@@ -214,6 +219,8 @@ class EngineConfig:
         check(self.attention_backend in ("auto", "triton", "cpu", "reference"),
               "attention_backend must be auto, triton, cpu or reference")
         check(self.speculative_method in ("none", "ngram"), "speculative_method must be none or ngram")
+        check(not (self.async_scheduling and self.speculative_method != "none"),
+              "async_scheduling does not combine with speculative decoding (drafts are proposed from the last token)")
         check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
         check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
               "prompt_lookup_min must be >= 1 and <= prompt_lookup_max")

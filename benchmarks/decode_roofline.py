@@ -10,6 +10,11 @@ read once for the whole batch.
 
     python -m benchmarks.decode_roofline                     # GPU: 1B and 8B shapes, graphs and eager
     python -m benchmarks.decode_roofline --smoke             # any machine: a tiny shape (checks the script)
+    python -m benchmarks.decode_roofline --overlap ...       # also steps launched before the last is read
+
+``--overlap`` adds the steady state of async_scheduling (backend/engine/overlap.py): each step
+is packed and launched, then the step before's tokens are read, so the host's packing runs
+while the device computes; a step's time is the run's wall clock over its steps.
 
 Each request holds ``--context`` tokens, so every step attends over that many keys.
 """
@@ -20,12 +25,14 @@ import argparse
 import gc
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from backend.config import EngineConfig
 from backend.core.request import Request
+from backend.engine.overlap import HostTokenBuffers, InFlightStep
 from backend.model.architecture import ModelArchitecture
 from backend.sample.sampler import Sampler
 from backend.sampling_params import SamplingParams
@@ -98,8 +105,31 @@ def step_ms(runner: ModelRunner, sampler: Sampler, batch: int, context: int, ite
     return time_ms(one_step, torch.device("cpu"), warmup=3, iters=iters)
 
 
+def overlapped_step_ms(runner: ModelRunner, sampler: Sampler, batch: int, context: int, iters: int) -> float:
+    """Milliseconds per step when each step is launched before the one before is read."""
+    requests, num_scheduled, block_ids = decode_batch(runner, batch, context)
+    buffers = HostTokenBuffers(runner.max_logits_rows(), runner.device)
+
+    def launch() -> InFlightStep:
+        input_ids, meta, sampling = runner.prepare(requests, num_scheduled, block_ids)
+        logits = runner.execute(input_ids, meta)
+        _, tokens = sampler.choose(logits, sampler.prepare(sampling, None, logits.shape[-1], logits.device))
+        return InFlightStep.launch(sampling, tokens, buffers)
+
+    for _ in range(3):
+        launch().read()
+    started = time.perf_counter()
+    before = launch()
+    for _ in range(iters - 1):
+        step = launch()
+        before.read()
+        before = step
+    before.read()
+    return (time.perf_counter() - started) * 1e3 / iters
+
+
 def run_shape(name: str, batches: list[int], context: int, eager: bool, device: torch.device,
-              bandwidth: float, iters: int, fused_layer_ops: bool = True) -> list[dict]:
+              bandwidth: float, iters: int, fused_layer_ops: bool = True, overlap: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         runner = dummy_runner(Path(tmp), name, max(batches), context, enforce_eager=eager,
                               fused_layer_ops=fused_layer_ops)
@@ -109,15 +139,19 @@ def run_shape(name: str, batches: list[int], context: int, eager: bool, device: 
         weight_bytes = sum(p.numel() for p in runner.model.parameters()) * element
         kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element
         rows = []
+        mode = "eager" if eager else "cuda-graphs"
         for batch in batches:
-            ms = step_ms(runner, sampler, batch, context, iters)
             floor_ms = (weight_bytes + batch * (context + 1) * kv_per_token) / (bandwidth * 1e9) * 1e3
-            rows.append(dict(shape=name, mode="eager" if eager else "cuda-graphs", batch=batch, context=context,
-                             fused_layer_ops=runner.model.fused_layer_ops,
-                             step_ms=ms, floor_ms=floor_ms, ratio=ms / floor_ms, tokens_per_s=batch / (ms * 1e-3),
-                             weight_gb=weight_bytes / 1e9))
-            print(f"{name} {rows[-1]['mode']} batch {batch}: {ms:.3f} ms (floor {floor_ms:.3f} ms, "
-                  f"{ms / floor_ms:.2f}x)", flush=True)
+            timings = [(mode, step_ms(runner, sampler, batch, context, iters))]
+            if overlap:
+                timings.append((f"{mode}, overlapped", overlapped_step_ms(runner, sampler, batch, context, iters)))
+            for label, ms in timings:
+                rows.append(dict(shape=name, mode=label, batch=batch, context=context,
+                                 fused_layer_ops=runner.model.fused_layer_ops,
+                                 step_ms=ms, floor_ms=floor_ms, ratio=ms / floor_ms, tokens_per_s=batch / (ms * 1e-3),
+                                 weight_gb=weight_bytes / 1e9))
+                print(f"{name} {label} batch {batch}: {ms:.3f} ms (floor {floor_ms:.3f} ms, "
+                      f"{ms / floor_ms:.2f}x)", flush=True)
         # The runner and its CUDA graphs refer to each other: collect the cycle now, or the
         # next shape is allocated while this one still holds its weights and KV cache.
         del runner
@@ -136,6 +170,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="only eager steps (no CUDA graphs)")
     parser.add_argument("--graphs-only", action="store_true", help="only CUDA-graph steps (no eager)")
     parser.add_argument("--no-fused-ops", action="store_true", help="torch ops instead of the fused layer ops")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time steps launched before the step before is read (async_scheduling)")
     parser.add_argument("--json", type=Path, help="where to write the results (default benchmarks/results/)")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, two batch sizes, CPU allowed")
     args = parser.parse_args()
@@ -154,7 +190,8 @@ def main() -> None:
     results = []
     for name in shapes:
         for eager in modes:
-            results += run_shape(name, batches, context, eager, device, bandwidth, iters, not args.no_fused_ops)
+            results += run_shape(name, batches, context, eager, device, bandwidth, iters, not args.no_fused_ops,
+                                 args.overlap)
     table = markdown_table(["shape", "mode", "batch", "step ms", "floor ms", "step / floor", "tokens/s"],
                            [[r["shape"], r["mode"], r["batch"], r["step_ms"], r["floor_ms"], r["ratio"],
                              round(r["tokens_per_s"])] for r in results])

@@ -87,13 +87,14 @@ PLANS = {
                 # keep that drain a small part of a continuous run.
                 requests_per_stream={"A": 4, "B": 4, "M": 8},
                 test_files=GPU_TEST_FILES, test_args=("-n", "8"),
-                roofline_args=("--shapes", "llama-1b,llama-8b", "--batches", "1,8,64,256", "--graphs-only")),
+                roofline_args=("--shapes", "llama-1b,llama-8b", "--batches", "1,8,64,256", "--graphs-only",
+                               "--overlap")),
     "rehearsal": Plan(device="cpu", dtype="float32",
                       engine={"max_num_seqs": "8", "max_num_batched_tokens": "256", "max_model_len": "12288",
                               "itl_target_ms": "0", "num_kv_blocks": "2048"},
                       loads=(("A", 4),), mixed_concurrency=(4,), requests_per_stream={"A": 2, "B": 2, "M": 2},
                       test_files=("tests/test_gpu_proof.py",), test_args=("-k", "static_step_ratio"),
-                      roofline_args=("--smoke",), request_timeout_s=300.0),
+                      roofline_args=("--smoke", "--overlap"), request_timeout_s=300.0),
 }
 
 

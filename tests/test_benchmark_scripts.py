@@ -18,11 +18,11 @@ from kernels import cpu_native
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module,expect", [("benchmarks.kernels", "mixed step"),
-                                           ("benchmarks.decode_roofline", "step / floor")])
-def test_benchmark_smoke(module: str, expect: str) -> None:
+@pytest.mark.parametrize("module,args,expect", [("benchmarks.kernels", [], "mixed step"),
+                                                ("benchmarks.decode_roofline", ["--overlap"], "overlapped")])
+def test_benchmark_smoke(module: str, args: list[str], expect: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", module, "--smoke"], cwd=REPO_ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", module, "--smoke", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert expect in done.stdout

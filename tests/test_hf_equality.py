@@ -91,6 +91,10 @@ CONFIGS = {
     # Prompts (fresh, and chunks over cached context) through torch's SDPA (what
     # cpu_prefill_attention=auto may pick on AVX-512 CPUs).
     "sdpa_prompts": dict(block_size=16, num_kv_blocks=512, cpu_prefill_attention="sdpa", **FIXED_BUDGET),
+    # Each step launched before the tokens of the step before are read (their inputs taken on
+    # the device), with long prompts chunked among the decodes.
+    "async_chunked": dict(block_size=16, num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=8,
+                          async_scheduling=True, **FIXED_BUDGET),
 }
 # Speculative decoding (n-gram drafts, verified in the same step) must not change a token. The
 # prose prompts repeat themselves, so drafts are proposed and accepted; the batch limit is
@@ -100,9 +104,14 @@ SPEC_CONFIGS = {f"{name}+spec": {**CONFIGS[name], **SPEC} for name in ("block16"
 SHORT_PROMPT_CONFIGS = {"block4", "priority_few_seqs", "static", *SPEC_CONFIGS}
 
 
+ASYNC = dict(async_scheduling=True)
+
+
 def assert_speculated(engine: Engine, config: dict) -> None:
     if config.get("speculative_method") == "ngram":
         assert engine.stats().spec_accepted_tokens > 0, "no draft was accepted"
+    if config.get("async_scheduling"):
+        assert engine.num_overlapped_steps > 0, "no step overlapped the one before"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) + list(SPEC_CONFIGS))
@@ -117,7 +126,7 @@ def test_greedy_matches_transformers(name: str, model_dir: Path, mixed_prompts, 
         assert engine.runner.prefill_attention.path.value == config["cpu_prefill_attention"]
 
 
-@pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
+@pytest.mark.parametrize("spec", [{}, SPEC, ASYNC], ids=["plain", "spec", "async"])
 def test_preemption_keeps_tokens_exact(spec: dict, model_dir: Path, mixed_prompts, hf_mixed) -> None:
     # 40 blocks of 16 tokens cannot hold all 12 requests (~1400 prompt tokens): the engine must
     # preempt, recompute, and still produce the very same tokens.
@@ -130,7 +139,7 @@ def test_preemption_keeps_tokens_exact(spec: dict, model_dir: Path, mixed_prompt
     assert_speculated(engine, spec)
 
 
-@pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
+@pytest.mark.parametrize("spec", [{}, SPEC, ASYNC], ids=["plain", "spec", "async"])
 def test_preemption_with_prefix_caching(spec: dict, model_dir: Path, mixed_prompts, hf_mixed) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=40,
                                            max_num_batched_tokens=64, **FIXED_BUDGET, **spec), mixed_prompts)
@@ -139,7 +148,7 @@ def test_preemption_with_prefix_caching(spec: dict, model_dir: Path, mixed_promp
     assert_speculated(engine, spec)
 
 
-@pytest.mark.parametrize("spec", [{}, SPEC], ids=["plain", "spec"])
+@pytest.mark.parametrize("spec", [{}, SPEC, ASYNC], ids=["plain", "spec", "async"])
 def test_shared_prefix_hits_cache(spec: dict, model_dir: Path, shared_prefix_prompts, hf_shared) -> None:
     engine, ours = run_engine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, **spec),
                               shared_prefix_prompts, SHARED_MAX_NEW_TOKENS)

@@ -247,3 +247,59 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch, tiny_llama) -
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         kernels.resolve_backend("triton", __import__("torch").device("cpu"))
     assert kernels.resolve_backend("auto", __import__("torch").device("cpu")) == "cpu"
+
+
+def test_async_scheduling_with_separate_device_buffers(tiny_llama, prompts, reference) -> None:
+    """async_scheduling's inputs in the CUDA layout: the pending tokens' rows go over with the
+    step's other inputs into separate (poisoned) device buffers and are filled there from the
+    step before's tokens; greedy tokens stay transformers'. On a GPU the decode graphs read
+    them (the engine captures its own)."""
+    from backend.worker.model_runner import StepBuffers
+
+    engine = Engine(EngineConfig(model=str(tiny_llama[0]), block_size=16, num_kv_blocks=512, max_num_seqs=16,
+                                 max_num_batched_tokens=64, dtype="float32", itl_target_ms=0.0,
+                                 async_scheduling=True))
+    runner = engine.runner
+    if runner.device.type == "cpu":
+        runner.buffers = StepBuffers.allocate(runner.max_tokens, runner.max_seqs, runner.max_blocks_per_seq,
+                                              runner.device)
+        for tensor in vars(runner.buffers).values():
+            tensor.fill_(10**6)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=TRITON_NEW_TOKENS, temperature=0.0))
+    assert_same_tokens([o.token_ids for o in outputs], reference)
+    assert engine.num_overlapped_steps > 0
+    engine.check_invariants()
+
+
+def test_an_overlapped_launch_never_waits_for_the_device(tiny_llama, prompts) -> None:
+    """On a GPU: launching a step (packing, the forward or its graph, choosing the tokens,
+    queuing their copy) makes no call that waits for the device, so it runs while the step
+    before computes. torch's sync debug mode turns any such call into an error."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("NOT RUN: needs a CUDA device (a CPU step is synchronous by nature)")
+    engine = Engine(triton_config(tiny_llama[0], async_scheduling=True, max_num_seqs=16))
+    for i, prompt in enumerate(prompts[:6]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=TRITON_NEW_TOKENS, temperature=0.0,
+                                                          ignore_eos=True))
+    real_launch, launches, errors = engine._launch, [], []
+
+    def launch(sched):
+        # The engine would run a launch that raised again synchronously: keep what it raised.
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_launch(sched)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launches.append(len(sched.requests))
+
+    engine._launch = launch
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not errors, errors[0]
+    assert engine.num_overlapped_steps > 0 and launches
+    engine.check_invariants()

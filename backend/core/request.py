@@ -85,6 +85,10 @@ class Request:
     pending_constraint: PendingConstraint | None = None
     # The token sequences bad_words bans, indexed (backend/sample/bad_words.py); None: none.
     bad_words: "BadWords | None" = None
+    # async_scheduling: tokens sampled by steps launched on the device whose values the host
+    # has not read yet (not in token_ids; backend/engine/overlap.py).
+    num_pending_tokens: int = 0
+    overlappable: bool = False            # async_scheduling: known to need nothing of its last token on the host
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

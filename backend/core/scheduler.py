@@ -121,7 +121,9 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue   # preempted as a victim of an earlier request in this loop
-            if request.num_tokens - request.num_computed_tokens > 1:
+            if request.num_pending_tokens and request.num_output_tokens + request.num_pending_tokens >= request.max_tokens:
+                continue   # async_scheduling: its last token is on the device; it ends once that is read
+            if request.num_tokens + request.num_pending_tokens - request.num_computed_tokens > 1:
                 partial_prefills.append(request)
             elif budget > 0 and self._allocate_running(request, 1, out):
                 budget -= 1

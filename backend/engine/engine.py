@@ -22,6 +22,7 @@ from backend.core.scheduler_output import SchedulerOutput
 from backend.core.step_cost import StepCostModel
 from backend.engine.failure_isolation import EngineHealth, find_culprits, readers_of_unwritten
 from backend.engine.output_processor import OutputProcessor
+from backend.engine.overlap import HostTokenBuffers, InFlightStep, overlappable
 from backend.engine.stats import EngineStats, StepRecord, count_loras
 from backend.engine.tokenizer import eos_token_ids, load_tokenizer
 from backend.engine.validation import Prompt, RequestValidator
@@ -83,6 +84,10 @@ class Engine:
         self.spec_counts = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0,
                             "spec_verifications": 0}
         self.health = EngineHealth()
+        # async_scheduling (backend/engine/overlap.py): the step on the device whose tokens are unread.
+        self._in_flight: InFlightStep | None = None
+        self.num_overlapped_steps = 0   # steps launched before the step before was read
+        self._host_tokens = HostTokenBuffers(self.runner.max_logits_rows(), self.runner.device)
 
     @property
     def health_error(self) -> str | None:
@@ -165,7 +170,7 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, one forward pass, sample, update. Returns an output for
@@ -173,11 +178,30 @@ class Engine:
 
         If the forward pass or sampling raises, the requests responsible are found and failed
         (finish_reason "error"); the others run again and get the tokens they would have got.
-        A failure no single request explains fails every request of the step (not the queue)."""
+        A failure no single request explains fails every request of the step (not the queue).
+
+        With async_scheduling the step is launched before the tokens of the step before are read,
+        and returns those (backend/engine/overlap.py)."""
         started = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        overlap = self.config.async_scheduling and not sched.is_empty and self._may_overlap(sched)
+        if overlap:
+            rng = self.sampler.rng_state(sched.requests)
+            try:
+                launched = self._launch(sched)
+            except Exception as exc:  # noqa: BLE001 - run again below, synchronously, and isolated there
+                if is_device_error(exc):
+                    self.health.device_failed(exc)
+                    raise
+                self.sampler.restore_rng_state(rng)
+            else:
+                return outputs + self._after_launch(sched, launched, started)
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()
+            # Those that ended there (their last token was on the device when this step was scheduled).
+            sched.requests = [r for r in sched.requests if not r.status.is_finished]
+        if not sched.requests:
             return outputs
         rows = ({r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)
                  for r in sched.requests} if self.config.step_trace_path else {})
@@ -215,6 +239,60 @@ class Engine:
         if self.cost_model is not None and not failed:   # a step re-run after a failure says nothing
             error = self.cost_model.observe(sched.features, measured)
         self.last_step = StepRecord(measured, sched.predicted_seconds, error, rows)
+        return outputs
+
+    def _may_overlap(self, sched: SchedulerOutput) -> bool:
+        processors = self.sampler.processors
+        return all(overlappable(request, processors) for request in sched.requests)
+
+    def _launch(self, sched: SchedulerOutput) -> InFlightStep | None:
+        """Pack, run and sample ``sched`` without waiting for the device; None when no request
+        samples in it (prefill chunks only). Changes no scheduling state."""
+        requests = sched.requests
+        block_ids = {r.request_id: self.kv_cache.block_ids_of(r.request_id) for r in requests}
+        pending = self._in_flight.pending if self._in_flight is not None else None
+        input_ids, meta, sampling = self.runner.prepare(requests, sched.num_scheduled_tokens, block_ids,
+                                                        pending=pending)
+        logits = self.runner.execute(input_ids, meta)
+        if not sampling:
+            return None
+        _, tokens = self.sampler.choose(logits, self.sampler.prepare(sampling, None, logits.shape[-1], logits.device))
+        return InFlightStep.launch(sampling, tokens, self._host_tokens)
+
+    def _after_launch(self, sched: SchedulerOutput, launched: InFlightStep | None,
+                      started: float) -> list[RequestOutput]:
+        """The launched step counts as run; the step before it is read: its outputs."""
+        requests = sched.requests
+        rows = ({r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)
+                 for r in requests} if self.config.step_trace_path else {})
+        self.health.step_succeeded()
+        for request in requests:
+            self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
+                                                   request.num_prompt_tokens - request.num_computed_tokens))
+        self.scheduler.update_after_step(sched)
+        self.num_steps += 1
+        self.num_overlapped_steps += self._in_flight is not None
+        for request in launched.sampling if launched is not None else ():
+            request.num_pending_tokens += 1
+        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        self._in_flight = launched
+        # The host's time for the step; the cost model learns only from steps it can time whole.
+        self.last_step = StepRecord(time.perf_counter() - started, sched.predicted_seconds, None, rows)
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Read the step on the device and process its tokens as a synchronous step would."""
+        flight, self._in_flight = self._in_flight, None
+        outputs = []
+        for request, token in zip(flight.sampling, flight.read()):
+            request.num_pending_tokens -= 1
+            if self.requests.get(request.request_id) is not request:
+                continue   # it ended (or was aborted) after the step was launched: the token is not its
+            try:
+                outputs.append(self._append_tokens(request, [token], None))
+            except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
+                logger.exception("processing the token of %s failed", request.request_id)
+                outputs.append(self._fail_request(request, exc))
         return outputs
 
     def _count_speculation(self, request: Request, num_drafts: int, num_emitted: int) -> None:

@@ -37,6 +37,9 @@ class LogitsProcessor(abc.ABC):
     # True when the processor's effect on a row depends on the tokens right before it, so
     # that a draft row (which follows unverified drafts) would be processed wrongly.
     blocks_drafts: bool = False
+    # True when the processor reads the request's generated tokens (or state advanced by them):
+    # a step launched before the last token reached the host (async_scheduling) cannot run it.
+    reads_history: bool = True
 
     @abc.abstractmethod
     def applies_to(self, request: Request) -> bool:
@@ -55,6 +58,8 @@ class LogitsProcessor(abc.ABC):
 class LogitBiasProcessor(LogitsProcessor):
     """OpenAI's ``logit_bias``: each listed token's bias is added to its logit, on every row of
     the request."""
+
+    reads_history = False
 
     def applies_to(self, request: Request) -> bool:
         return bool(request.sampling_params.logit_bias)

@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from backend.sample.logits_processors import LogitsProcessor
 
 
+def to_device(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``. On CUDA through pinned memory without
+    waiting: a plain copy from pageable memory would wait for all the device's queued work,
+    which under async_scheduling includes the step before."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingBatch:
     requests: list[Request]              # in logits-row order
@@ -53,7 +63,7 @@ class RowFilter:
         params = [r.sampling_params for r in requests]
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+            return to_device(values, dtype, device).unsqueeze(1)
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_p = [p.top_p for p in params]
@@ -105,7 +115,7 @@ class SamplingMetadata:
         return cls(
             batch=batch,
             all_greedy=not random_rows and not seeded,
-            random_rows=torch.tensor(random_rows, dtype=torch.int64, device=device) if random_rows else None,
+            random_rows=to_device(random_rows, torch.int64, device) if random_rows else None,
             random_filter=RowFilter.of(random_requests, vocab_size, device) if random_requests else None,
             seeded=seeded,
             num_logprobs=[r.sampling_params.logprobs for r in batch.requests],

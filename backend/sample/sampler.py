@@ -83,17 +83,8 @@ class Sampler:
         batch = meta.batch
         # 1. Raw logprobs.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.wants_logprobs else None
-        # 2. Logits processors (on a copy: the caller's logits stay as they were).
-        if meta.processor_states:
-            logits = logits.clone()
-            for processor, state in meta.processor_states:
-                processor.apply(logits, state)
-        # 3. Greedy.
-        chosen = greedy(logits)
-        # 4. Random rows without a seed.
-        if meta.random_rows is not None:
-            probs = filtered_probs(logits[meta.random_rows], meta.random_filter)
-            chosen[meta.random_rows] = draw(probs, self._generator_on(probs.device))
+        # 2-4.
+        logits, chosen = self.choose(logits, meta)
         row_tokens = chosen.tolist()
         samples = [[row_tokens[row] for row in rows] for rows in batch.rows]
         # 5. Seeded requests, row by row: no noise is drawn past a rejected draft.
@@ -120,6 +111,24 @@ class Sampler:
                 logprobs[i] = logprob_entry(token, float(value), 1 + int((row_logprobs > value).sum()),
                                             ids.tolist(), values.tolist())
         return SamplerOutput(token_ids, logprobs)
+
+
+    def choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 2-4: the processed logits, and each row's token (int64 [rows]; seeded rows are
+        drawn after, by ``sample``) left where the logits are: nothing waits for the device, so
+        a step whose requests need no more (async_scheduling) can launch the next before reading it."""
+        # 2. Logits processors (on a copy: the caller's logits stay as they were).
+        if meta.processor_states:
+            logits = logits.clone()
+            for processor, state in meta.processor_states:
+                processor.apply(logits, state)
+        # 3. Greedy.
+        chosen = greedy(logits)
+        # 4. Random rows without a seed.
+        if meta.random_rows is not None:
+            probs = filtered_probs(logits[meta.random_rows], meta.random_filter)
+            chosen[meta.random_rows] = draw(probs, self._generator_on(probs.device))
+        return logits, chosen
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

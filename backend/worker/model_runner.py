@@ -37,7 +37,7 @@ from backend.sample.prompt_logprobs import PromptLogprobRows
 from backend.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_token_sizes
 from backend.worker import timing_cache
 from backend.worker.kv_cache_sizing import KVCacheLayout, blocks_from_budget
-from backend.worker.step_buffers import StepBuffers
+from backend.worker.step_buffers import PendingTokens, StepBuffers
 from kernels import cpu_native
 from kernels.attention_backend import AttentionBackendKind, attention_backend_for
 
@@ -299,12 +299,14 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, requests: list[Request], num_scheduled: dict[str, int], block_ids: dict[str, list[int]],
-                spec_token_ids: dict[str, list[int]] | None = None,
+                spec_token_ids: dict[str, list[int]] | None = None, pending: PendingTokens | None = None,
                 ) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Pack the step. Returns input ids, metadata and the requests that sample this step
         (those whose counter reaches the end of their token list), in logits-row order. A
         request with k drafts (``spec_token_ids``) takes them as inputs after its last token
-        and gets k + 1 logits rows, one per position to verify."""
+        and gets k + 1 logits rows, one per position to verify. A decode whose input token the
+        step before sampled and the host has not read (async_scheduling) takes it from
+        ``pending`` on the device."""
         spec_token_ids = spec_token_ids or {}
         if self.fault_hook is not None:
             self.fault_hook(requests)
@@ -314,6 +316,7 @@ class ModelRunner:
             self._inputs_copied.synchronize()
         num_seqs = len(requests)
         sampling: list[Request] = []
+        pending_inputs: list[tuple[int, int]] = []   # (input row, row of pending.tokens)
         token = num_logits = 0
         max_query_len = max_seq_len = 0
         host["query_start_loc"][0] = 0
@@ -326,7 +329,12 @@ class ModelRunner:
             if num_new == 1 and not drafts:
                 # One token (every decode): scalar writes. numpy's per-call overhead was most of a
                 # decode step's prepare.
-                host["input_ids"][token] = request.token_ids[start]
+                if start < len(request.token_ids):
+                    host["input_ids"][token] = request.token_ids[start]
+                else:   # sampled by the step before, not read by the host yet
+                    if pending is None or request.request_id not in pending.rows:
+                        raise RuntimeError(f"{request.request_id}: its input token was never sampled")
+                    pending_inputs.append((token, pending.rows[request.request_id]))
                 host["positions"][token] = start
                 host["slot_mapping"][token] = blocks[start // bs] * bs + start % bs
             else:
@@ -344,8 +352,9 @@ class ModelRunner:
             host["query_start_loc"][row + 1] = token
             host["seq_lens"][row] = end
             max_query_len, max_seq_len = max(max_query_len, num_new), max(max_seq_len, end)
-            if end >= request.num_tokens:
-                rows = end - request.num_tokens + 1      # 1, or 1 + drafts
+            num_tokens = request.num_tokens + request.num_pending_tokens
+            if end >= num_tokens:
+                rows = end - num_tokens + 1      # 1, or 1 + drafts
                 if rows == 1:
                     host["logits_indices"][num_logits] = token - 1
                 else:
@@ -354,13 +363,16 @@ class ModelRunner:
                 sampling.append(request)
         num_logits = self._prompt_logprob_rows(requests, num_scheduled, num_logits)
         lora = self._lora_batch(requests, token)
-        if self.buffers is not self.host:
+        separate = self.buffers is not self.host
+        if separate:
             self.buffers.copy_rows_from(self.host, token, num_seqs, num_logits, cdiv(max_seq_len, bs),
                                         token if self.lora_slots is not None else 0)
-            if self.device.type == "cuda":
-                if self._inputs_copied is None:
-                    self._inputs_copied = torch.cuda.Event()
-                self._inputs_copied.record()
+        if pending_inputs:
+            self._take_pending_inputs(pending_inputs, pending)
+        if separate and self.device.type == "cuda":
+            if self._inputs_copied is None:
+                self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         buf = self.buffers
         meta = AttentionMetadata(
             positions=buf.positions[:token], slot_mapping=buf.slot_mapping[:token],
@@ -368,6 +380,19 @@ class ModelRunner:
             block_tables=buf.block_tables[:num_seqs], logits_indices=buf.logits_indices[:num_logits],
             max_query_len=max_query_len, max_seq_len=max_seq_len, lora=lora)
         return buf.input_ids[:token], meta, sampling
+
+    def _take_pending_inputs(self, pending_inputs: list[tuple[int, int]], pending: PendingTokens) -> None:
+        """Write the pending tokens into their input rows on the device: the indices go over
+        with the step's other inputs, the tokens never leave the device."""
+        n = len(pending_inputs)
+        rows, sources = zip(*pending_inputs)
+        self._host_np["pending_rows"][:n] = rows
+        self._host_np["pending_sources"][:n] = sources
+        buf = self.buffers
+        if buf is not self.host:
+            buf.pending_rows[:n].copy_(self.host.pending_rows[:n], non_blocking=True)
+            buf.pending_sources[:n].copy_(self.host.pending_sources[:n], non_blocking=True)
+        buf.input_ids.index_copy_(0, buf.pending_rows[:n], pending.tokens.index_select(0, buf.pending_sources[:n]))
 
     def _prompt_logprob_rows(self, requests: list[Request], num_scheduled: dict[str, int], num_logits: int) -> int:
         """Logits rows after the sampling ones for the prompt positions this step computes of

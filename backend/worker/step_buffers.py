@@ -22,6 +22,10 @@ class StepBuffers:
     block_tables: torch.Tensor    # [max_seqs, max_blocks_per_seq] int32
     logits_indices: torch.Tensor  # [max_tokens] int64 (a row per sequence, or per verified draft position)
     lora_slots: torch.Tensor      # [max_tokens] int32: each token row's LoRA adapter slot, -1 = none
+    # async_scheduling: input rows whose token the previous step sampled on the device
+    # (``pending_rows``), and that step's sampling row for each (``pending_sources``).
+    pending_rows: torch.Tensor    # [max_seqs] int64
+    pending_sources: torch.Tensor  # [max_seqs] int64
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
@@ -31,7 +35,8 @@ class StepBuffers:
         return cls(new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int64),
                    new(max_tokens, dtype=torch.int64), new(max_seqs + 1, dtype=torch.int32),
                    new(max_seqs, dtype=torch.int32), new(max_seqs, max_blocks_per_seq, dtype=torch.int32),
-                   new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int32).fill_(-1))
+                   new(max_tokens, dtype=torch.int64), new(max_tokens, dtype=torch.int32).fill_(-1),
+                   new(max_seqs, dtype=torch.int64), new(max_seqs, dtype=torch.int64))
 
     def numpy(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name).numpy() for name in self.__dataclass_fields__}
@@ -47,3 +52,12 @@ class StepBuffers:
         # Only the columns this step's sequences use; later columns are never read.
         self.block_tables[:num_seqs, :num_block_columns].copy_(
             other.block_tables[:num_seqs, :num_block_columns], non_blocking=True)
+
+
+@dataclass
+class PendingTokens:
+    """async_scheduling: the tokens the step before sampled, still on the device (``tokens``,
+    one per sampling row), and each request's row there. A decode whose input is one of them
+    takes it on the device, without the host ever reading it first."""
+    tokens: torch.Tensor          # [rows] int64, on the step buffers' device
+    rows: dict[str, int]          # request id -> row of ``tokens``
