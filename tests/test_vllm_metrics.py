@@ -209,13 +209,16 @@ def scrape(url: str) -> tuple[dict[str, str], dict[str, str], dict[tuple[str, fr
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, model_dir: Path):
     """The server with REPORT_CUSTOM_METRICS on (speculative decoding off, its default: one token
-    per decode iteration, so the time_per_output_token count is known), and streams' tokens
-    handed out 4 at a time (stream_interval): the families still count every token."""
+    per decode iteration, so the time_per_output_token count is known), streams' tokens
+    handed out 4 at a time (stream_interval), and each step launched before the tokens of the
+    step before are read (async_scheduling): the families still count every token once."""
     log = tmp_path_factory.mktemp("triton-vllm-metrics") / "server.log"
     srv = TritonServer(*free_ports(3), log_file=log,
                        params={"REPORT_CUSTOM_METRICS": "true", "dtype": "float32",
-                               "stream_interval": str(STREAM_INTERVAL), **FIXED_BUDGET_PARAMS})
+                               "stream_interval": str(STREAM_INTERVAL), "async_scheduling": "true",
+                               **FIXED_BUDGET_PARAMS})
     srv.start(timeout=300)
+    assert "llm: async_scheduling: each step is launched before" in log.read_text()
     yield srv
     srv.stop()
 

@@ -114,6 +114,9 @@ class TritonPythonModel:
         for note in self.engine.runner.startup_notes:   # dtype, linear layers, fused ops: what was chosen and why
             print(f"llm: {note}", file=sys.stderr, flush=True)
         print(f"llm: {self.loop.validator.describe_limits()}", file=sys.stderr, flush=True)
+        if config.async_scheduling:
+            print("llm: async_scheduling: each step is launched before the tokens of the step before are read",
+                  file=sys.stderr, flush=True)
         if self.engine.cost_model is not None:
             print(f"llm: prefill chunks sized to itl_target_ms={config.itl_target_ms:g} (at least "
                   f"{config.itl_target_decode_multiple:g}x the decodes' own time) by the step cost model "
