@@ -169,3 +169,41 @@ def test_async_scheduling_does_not_combine_with_speculative_decoding() -> None:
         EngineConfig(async_scheduling=True, speculative_method="ngram")
     assert EngineConfig.from_dict({"async_scheduling": "true"}).async_scheduling is True
     assert EngineConfig().async_scheduling is False
+
+
+def test_a_launch_that_fails_once_ends_as_a_synchronous_step_would(sync_engine: Engine, async_engine: Engine,
+                                                                    prose_ids: list[int],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A forward that raises once, whoever is in it (no request to blame): the synchronous engine
+    # fails the step's requests; an overlapped launch must not quietly retry it into success.
+    ends = {}
+    for name, engine in (("sync", sync_engine), ("async", async_engine)):
+        real_execute, calls = engine.runner.execute, {"n": 0}
+
+        def execute(*args, real_execute=real_execute, calls=calls, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("a transient failure")
+            return real_execute(*args, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "execute", execute)
+        [output] = engine.generate([prose_ids[:12]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        monkeypatch.undo()
+        ends[name] = (output.finish_reason, output.token_ids)
+    assert ends["async"] == ends["sync"] and ends["sync"][0] == "error"
+
+
+def test_a_follow_up_turn_finds_as_much_cached_as_after_a_synchronous_engine(sync_engine: Engine,
+                                                                             async_engine: Engine,
+                                                                             prose_ids: list[int]) -> None:
+    # The last block a request computes held an input that was still on the device when its
+    # step was scheduled: it is cached when the request ends, as a synchronous engine caches it.
+    cached = {}
+    for name, engine in (("sync", sync_engine), ("async", async_engine)):
+        engine.kv_cache.reset_prefix_cache()
+        prompt = prose_ids[600:620]
+        [first] = engine.generate([prompt], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
+        [follow_up] = engine.generate([prompt + first.token_ids + prose_ids[700:710]],
+                                      SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        cached[name] = follow_up.num_cached_tokens
+    assert cached["async"] == cached["sync"] == 32

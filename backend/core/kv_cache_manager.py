@@ -191,6 +191,14 @@ class KVCacheManager:
         self.pool.free(list(reversed(freed)))
         return len(freed)
 
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Put the request's full computed blocks into the prefix cache before it ends. A no-op
+        for a synchronous engine, which registered each when it was scheduled; under
+        async_scheduling the block holding a step's input is not, when that input was still
+        on the device then (its hash needs the token)."""
+        if request.request_id in self.req_blocks:
+            self._register_full_blocks(request, request.num_computed_tokens)
+
     def free(self, request: Request) -> None:
         blocks = [b for b in self.req_blocks.pop(request.request_id, []) if b is not RELEASED]
         self._block_ids.pop(request.request_id, None)

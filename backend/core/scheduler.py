@@ -97,6 +97,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.kv_cache.cache_computed_blocks(request)   # what a follow-up turn may reuse
         request.status = status
         self.kv_cache.free(request)
 

@@ -186,15 +186,17 @@ class Engine:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         overlap = self.config.async_scheduling and not sched.is_empty and self._may_overlap(sched)
+        launch_error: Exception | None = None
         if overlap:
             rng = self.sampler.rng_state(sched.requests)
             try:
                 launched = self._launch(sched)
-            except Exception as exc:  # noqa: BLE001 - run again below, synchronously, and isolated there
+            except Exception as exc:  # noqa: BLE001 - isolated below, as a synchronous step's failure
                 if is_device_error(exc):
                     self.health.device_failed(exc)
                     raise
                 self.sampler.restore_rng_state(rng)
+                launch_error = exc
             else:
                 return outputs + self._after_launch(sched, launched, started)
         if self._in_flight is not None:
@@ -210,6 +212,8 @@ class Engine:
         rng = self.sampler.rng_state(sched.requests)
         computed = sched.requests
         try:
+            if launch_error is not None:   # the overlapped launch of this step failed: the same as here
+                raise launch_error
             sampling, sampled = self._run_batch(computed, sched)
         except Exception as exc:  # noqa: BLE001 - isolated below
             if is_device_error(exc):   # the device is unusable: nothing to isolate, no point retrying
