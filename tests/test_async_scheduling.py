@@ -207,3 +207,20 @@ def test_a_follow_up_turn_finds_as_much_cached_as_after_a_synchronous_engine(syn
                                       SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         cached[name] = follow_up.num_cached_tokens
     assert cached["async"] == cached["sync"] == 32
+
+
+def test_a_launch_failed_by_a_request_that_has_just_ended_blames_nobody_else(async_engine: Engine,
+                                                                             prose_ids: list[int]) -> None:
+    # "bad" poisons any step once it has 5 tokens on the host, and ends on its 6th token (a
+    # stop token): the launch it poisons is read only after it ended, and the others must go on.
+    bad_prompt = prose_ids[100:130]
+    [free_run] = async_engine.generate([bad_prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    stop = free_run.token_ids[5]
+    poisoned_from = free_run.token_ids.index(stop)
+    async_engine.runner.fault_hook = fail_when("bad", min_output_tokens=poisoned_from)
+    prompts = {"bad": bad_prompt, "good0": prose_ids[:20], "good1": prose_ids[300:325]}
+    params = {name: SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                   stop_token_ids=[stop] if name == "bad" else None) for name in prompts}
+    got = run(async_engine, prompts, params)
+    assert got["bad"].finish_reason == "stop"
+    assert [got[name].finish_reason for name in ("good0", "good1")] == ["length", "length"]

@@ -202,7 +202,14 @@ class Engine:
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
             # Those that ended there (their last token was on the device when this step was scheduled).
-            sched.requests = [r for r in sched.requests if not r.status.is_finished]
+            survivors = [r for r in sched.requests if not r.status.is_finished]
+            if launch_error is not None and len(survivors) < len(sched.requests):
+                # The launch may have failed on a request that has just ended: the others run
+                # again, and are isolated if they fail on their own.
+                logger.warning("launching a step failed (%r) with requests that have since ended; "
+                               "running the others again", launch_error)
+                launch_error = None
+            sched.requests = survivors
         if not sched.requests:
             return outputs
         rows = ({r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)

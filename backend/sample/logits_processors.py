@@ -30,7 +30,7 @@ import torch
 from backend.core.request import Request
 from backend.sample.bad_words import generated_tail
 from backend.sample.constraints import mask_logits_, new_bitmask
-from backend.sample.metadata import SamplingBatch
+from backend.sample.metadata import SamplingBatch, to_device
 
 
 class LogitsProcessor(abc.ABC):
@@ -79,9 +79,10 @@ class LogitBiasProcessor(LogitsProcessor):
                 biases += bias.values()
         if not row_index:
             return None
-        return ((torch.tensor(row_index, dtype=torch.int64, device=device),
-                 torch.tensor(token_index, dtype=torch.int64, device=device)),
-                torch.tensor(biases, dtype=torch.float32, device=device))
+        # to_device: this processor runs in steps launched ahead (async_scheduling), which a
+        # copy from pageable memory would make wait for the device.
+        return ((to_device(row_index, torch.int64, device), to_device(token_index, torch.int64, device)),
+                to_device(biases, torch.float32, device))
 
     def apply(self, logits: torch.Tensor, state: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         index, biases = state
