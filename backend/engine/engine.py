@@ -87,7 +87,8 @@ class Engine:
         # async_scheduling (backend/engine/overlap.py): the step on the device whose tokens are unread.
         self._in_flight: InFlightStep | None = None
         self.num_overlapped_steps = 0   # steps launched before the step before was read
-        self._host_tokens = HostTokenBuffers(self.runner.max_logits_rows(), self.runner.device)
+        self._host_tokens = (HostTokenBuffers(self.runner.max_logits_rows(), self.runner.device)
+                             if config.async_scheduling else None)
 
     @property
     def health_error(self) -> str | None:
@@ -212,8 +213,7 @@ class Engine:
             sched.requests = survivors
         if not sched.requests:
             return outputs
-        rows = ({r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)
-                 for r in sched.requests} if self.config.step_trace_path else {})
+        rows = self._trace_rows(sched)
         failed = False
         # The generators as they were before this step: a failed step may have drawn from some.
         rng = self.sampler.rng_state(sched.requests)
@@ -231,9 +231,7 @@ class Engine:
             failed = True
         if not failed:
             self.health.step_succeeded()
-        for request in computed:
-            self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
-                                                   request.num_prompt_tokens - request.num_computed_tokens))
+        self._count_prompt_tokens(sched, computed)
         self.scheduler.update_after_step(sched, computed)
         self.num_steps += 1
         for row, request in enumerate(sampling):
@@ -251,6 +249,19 @@ class Engine:
             error = self.cost_model.observe(sched.features, measured)
         self.last_step = StepRecord(measured, sched.predicted_seconds, error, rows)
         return outputs
+
+    def _trace_rows(self, sched: SchedulerOutput) -> dict[str, tuple[int, bool]]:
+        """The step trace's rows (step_trace_path): tokens and prefill? per request, before the step."""
+        if not self.config.step_trace_path:
+            return {}
+        return {r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)
+                for r in sched.requests}
+
+    def _count_prompt_tokens(self, sched: SchedulerOutput, computed: list[Request]) -> None:
+        """Prompt tokens the step computes, counted before the scheduler's counters move."""
+        for request in computed:
+            self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
+                                                   request.num_prompt_tokens - request.num_computed_tokens))
 
     def _may_overlap(self, sched: SchedulerOutput) -> bool:
         processors = self.sampler.processors
@@ -273,13 +284,9 @@ class Engine:
     def _after_launch(self, sched: SchedulerOutput, launched: InFlightStep | None,
                       started: float) -> list[RequestOutput]:
         """The launched step counts as run; the step before it is read: its outputs."""
-        requests = sched.requests
-        rows = ({r.request_id: (sched.num_scheduled_tokens[r.request_id], r.num_computed_tokens < r.num_prompt_tokens)
-                 for r in requests} if self.config.step_trace_path else {})
+        rows = self._trace_rows(sched)
         self.health.step_succeeded()
-        for request in requests:
-            self.prompt_tokens_total += max(0, min(sched.num_scheduled_tokens[request.request_id],
-                                                   request.num_prompt_tokens - request.num_computed_tokens))
+        self._count_prompt_tokens(sched, sched.requests)
         self.scheduler.update_after_step(sched)
         self.num_steps += 1
         self.num_overlapped_steps += self._in_flight is not None

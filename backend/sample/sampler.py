@@ -112,7 +112,6 @@ class Sampler:
                                             ids.tolist(), values.tolist())
         return SamplerOutput(token_ids, logprobs)
 
-
     def choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 2-4: the processed logits, and each row's token (int64 [rows]; seeded rows are
         drawn after, by ``sample``) left where the logits are: nothing waits for the device, so
