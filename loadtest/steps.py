@@ -4,14 +4,22 @@ well the scheduler's cost model predicted each step (``itl_target_ms`` > 0).
 Each line of ``steps.jsonl`` (written by the server when ``step_trace_path`` is set; a load
 test that starts its server sets it) has the step's rows ``[request, tokens, prefill?]``, its
 measured time (``engine_ms``: Engine.step; ``ms``: the loop iteration around it) and the
-predicted time (``predicted_ms``, null without a cost model).
+predicted time (``predicted_ms``, null without a cost model). Newer lines also say where the
+process's CPU time went (``threads_ms``, ``sys_ms``, ``steal_ms``: backend/engine/loop.CpuSnapshot);
+``cpu_attribution`` compares the steps that ran over their prediction with the others on those.
+
+    python -m loadtest.steps steps.jsonl [--over 1.05] [--json OUT]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from loadtest.analysis import Percentiles
+from loadtest.slots import read_steps
 
 
 @dataclass
@@ -52,3 +60,75 @@ def report_lines(stats: StepStats) -> list[str]:
         lines.append(f"| step-time prediction error, \\|predicted − measured\\| / measured | "
                      f"{pct(stats.prediction_error, 100, '%')} |")
     return lines + [""]
+
+
+@dataclass
+class CpuShare:
+    """Medians over a set of steps (ms per step)."""
+    steps: int
+    measured_over_predicted: float | None
+    compute_on_core_ms: float | None    # the busiest thread: the engine's (or a kernel worker's)
+    compute_waiting_ms: float | None    # the two busiest threads, runnable but off a core
+    other_threads_ms: float | None      # every other thread of the process, on a core
+    kernel_ms: float | None             # the process's time in the kernel (sys; None in older traces)
+    stolen_ms: float | None             # the machine's stolen time (the hypervisor's)
+
+
+@dataclass
+class CpuAttribution:
+    """Steps that ran ``over`` times their prediction or more, against the rest: if the slow
+    ones' compute threads waited for a core, the process's own threads (or others on the
+    machine) took it; if the host stole it, ``stolen_ms`` says so; if neither, the threads were
+    on a core the whole step and simply ran slower."""
+    over: float
+    slow: CpuShare
+    rest: CpuShare
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _median(values: list[float | None]) -> float | None:
+    return Percentiles.of([v for v in values if v is not None]).p50
+
+
+def _cpu_share(steps: list[dict]) -> CpuShare:
+    return CpuShare(
+        len(steps),
+        _median([s["engine_ms"] / s["predicted_ms"] for s in steps]),
+        _median([s["threads_ms"][0][0] if s["threads_ms"] else 0.0 for s in steps]),
+        _median([sum(t[1] for t in s["threads_ms"][:2]) for s in steps]),
+        _median([sum(t[0] for t in s["threads_ms"][2:]) for s in steps]),
+        _median([s.get("sys_ms") for s in steps]),
+        _median([s["steal_ms"] for s in steps]))
+
+
+def cpu_attribution(steps: list[dict], over: float = 1.05) -> CpuAttribution | None:
+    """Over the predicted steps whose lines carry the CPU fields; None when there are none."""
+    timed = [s for s in steps if s.get("predicted_ms") and "threads_ms" in s and "engine_ms" in s]
+    if not timed:
+        return None
+    slow = [s for s in timed if s["engine_ms"] >= over * s["predicted_ms"]]
+    rest = [s for s in timed if s["engine_ms"] < over * s["predicted_ms"]]
+    return CpuAttribution(over, _cpu_share(slow), _cpu_share(rest))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", type=Path, help="a step trace (EngineConfig.step_trace_path)")
+    parser.add_argument("--over", type=float, default=1.05, help="a step this many times its prediction is slow")
+    parser.add_argument("--min-ms", type=float, default=0.0, help="only steps that ran at least this long")
+    parser.add_argument("--json", type=Path, help="write the statistics and the attribution here")
+    args = parser.parse_args()
+    steps = [s for s in read_steps(args.trace) if s.get("engine_ms", s["ms"]) >= args.min_ms]
+    stats = step_stats(steps)
+    attribution = cpu_attribution(steps, args.over)
+    print("\n".join(report_lines(stats)))
+    print(json.dumps(None if attribution is None else attribution.to_dict(), indent=1))
+    if args.json:
+        args.json.write_text(json.dumps({"steps": stats.to_dict(),
+                                         "cpu": None if attribution is None else attribution.to_dict()}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
+import time
 from pathlib import Path
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.engine.loop import EngineLoop
+from backend.engine.loop import CpuSnapshot, EngineLoop
 from loadtest.slots import read_steps, slot_timeline
+from loadtest.steps import cpu_attribution
 
 
 def step(*rows: tuple[str, int, bool]) -> dict:
@@ -67,3 +70,50 @@ def test_engine_loop_writes_one_record_per_step(tmp_path: Path, model_dir: Path)
     assert all(isinstance(s["minor_faults"], int) and s["minor_faults"] >= 0 and isinstance(s["preempted"], int)
                and s["preempted"] >= 0 for s in steps)
     assert loop._on_gc not in gc.callbacks         # the loop's collector hook leaves with it
+    # Where the CPU went: the engine thread ran each step on a core (no longer than the step),
+    # and the kernel and steal times are counts, not guesses.
+    for s in steps:
+        assert s["threads_ms"] and all(on_core >= 1.0 and waiting >= 0 for on_core, waiting in s["threads_ms"])
+        assert s["threads_ms"][0][0] <= s["ms"] + 1.0
+        assert s["threads_ms"] == sorted(s["threads_ms"], reverse=True)
+        assert s["sys_ms"] >= 0 and isinstance(s["steal_ms"], int) and s["steal_ms"] >= 0
+    assert steps[2]["threads_ms"][0][0] >= steps[2]["gc_ms"] - 1.0   # the collection ran on that thread
+
+
+def test_cpu_snapshot_sees_a_busy_thread_and_not_an_idle_one() -> None:
+    before = CpuSnapshot.take()
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:   # 30 ms of CPU time, then alive (a thread that ended is not in /proc) until released
+        end = time.thread_time() + 0.03
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()
+
+    worker = threading.Thread(target=spin)
+    sleeper = threading.Thread(target=release.wait)
+    worker.start(), sleeper.start()
+    try:
+        assert spun.wait(10)
+        rows = CpuSnapshot.take().since(before)["threads_ms"]
+    finally:
+        release.set()
+        worker.join(), sleeper.join()
+    assert rows[0][0] >= 29.0               # the spinner; the sleeper's well under 1 ms is left out
+    assert all(on_core >= 1.0 for on_core, _ in rows) and len(rows) <= 2   # the spinner, and this thread at most
+
+
+def test_cpu_attribution_separates_slow_steps_by_where_their_time_went() -> None:
+    def traced(measured: float, waiting: float, steal: int) -> dict:
+        return {"step": 0, "t": 0.0, "ms": measured, "engine_ms": measured, "predicted_ms": 100.0, "sys_ms": 2.0,
+                "steal_ms": steal, "threads_ms": [[measured - waiting, waiting / 2], [measured - waiting, waiting / 2],
+                                                  [3.0, 0.0]], "rows": []}
+    steps = [traced(100.0, 2.0, 0), traced(98.0, 2.0, 0), traced(101.0, 2.0, 0),
+             traced(130.0, 30.0, 0), traced(125.0, 2.0, 20), {"step": 0, "t": 0.0, "ms": 1.0, "rows": []}]
+    attribution = cpu_attribution(steps, over=1.05)
+    assert attribution.slow.steps == 2 and attribution.rest.steps == 3
+    assert attribution.slow.compute_waiting_ms == 16.0 and attribution.rest.compute_waiting_ms == 2.0
+    assert attribution.slow.stolen_ms == 10.0 and attribution.rest.stolen_ms == 0.0
+    assert attribution.rest.other_threads_ms == 3.0
+    assert cpu_attribution([{"step": 0, "t": 0.0, "ms": 1.0, "rows": []}]) is None   # an older trace

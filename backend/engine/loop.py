@@ -21,6 +21,7 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import resource
 import threading
 import time
@@ -57,6 +58,48 @@ TRIM_INTERVAL_S = 30.0
 # grammar to compile), the loop waits this long, or until a submission or abort, before it
 # looks again: a compile takes milliseconds to seconds, and spinning would take a core from it.
 NOTHING_TO_RUN_WAIT_S = 0.002
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")   # /proc/stat's unit
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """For the step trace: each thread of this process's time on a core and time runnable but
+    waiting for one (Linux schedstat, ns; a thread that ended in between is not seen), and the
+    machine's stolen time (/proc/stat, clock ticks: time the hypervisor ran something else on a
+    virtual CPU, which no thread's schedstat sees). Empty where /proc does not have them."""
+    threads: dict[int, tuple[int, int]]
+    steal_ticks: int
+
+    @staticmethod
+    def take() -> "CpuSnapshot":
+        threads: dict[int, tuple[int, int]] = {}
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/schedstat") as f:
+                        on_cpu, waiting, _ = f.read().split()
+                except (OSError, ValueError):   # the thread ended meanwhile
+                    continue
+                threads[int(tid)] = (int(on_cpu), int(waiting))
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+            steal = int(fields[8]) if len(fields) > 8 else 0
+        except OSError:
+            return CpuSnapshot({}, 0)
+        return CpuSnapshot(threads, steal)
+
+    def since(self, before: "CpuSnapshot") -> dict:
+        """Per thread that ran at least 1 ms: [ms on a core, ms runnable and waiting], the
+        busiest first; and the machine's stolen ms."""
+        rows = []
+        for tid, (on_cpu, waiting) in self.threads.items():
+            on0, wait0 = before.threads.get(tid, (0, 0))
+            if on_cpu - on0 >= 1_000_000:
+                rows.append([round((on_cpu - on0) / 1e6, 2), round((waiting - wait0) / 1e6, 2)])
+        rows.sort(reverse=True)
+        return {"threads_ms": rows, "steal_ms": (self.steal_ticks - before.steal_ticks) * 1000 // _CLOCK_TICKS}
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -282,6 +325,7 @@ class EngineLoop:
             started = time.monotonic()
             gc_before = self._gc_seconds
             usage_before = resource.getrusage(resource.RUSAGE_SELF) if self._step_trace_on else None
+            cpu_before = CpuSnapshot.take() if self._step_trace_on else None
             steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
@@ -297,7 +341,8 @@ class EngineLoop:
                 if record is not None and record.prediction_error is not None:
                     self.latency_samples.append(LatencySample("step_prediction_error", record.prediction_error))
                 if self._step_trace_on:
-                    self._trace_step(started, time.monotonic() - started, self._gc_seconds - gc_before, usage_before)
+                    self._trace_step(started, time.monotonic() - started, self._gc_seconds - gc_before, usage_before,
+                                     cpu_before)
             # The snapshot first: whoever sees an output (a final response, and a client that
             # then reads /metrics) finds its step already in the statistics.
             self.stats = self.engine.stats()
@@ -321,19 +366,21 @@ class EngineLoop:
             self._gc_started = None
 
     def _trace_step(self, started: float, seconds: float, gc_seconds: float,
-                    usage_before: resource.struct_rusage | None) -> None:
+                    usage_before: resource.struct_rusage | None, cpu_before: CpuSnapshot | None) -> None:
         """One JSON line per step: its number, start (monotonic s), duration of the loop
         iteration (ms), the engine step's own measured and predicted time (ms; predicted null
         without a cost model), what else happened in the process meanwhile (the garbage
         collector's time in ms, minor page faults, involuntary context switches: threads of this
-        process put off a core for another) and rows ``[request id, tokens, prefill?]``
+        process put off a core for another, the process's time in the kernel; per busy thread its ms on a core and ms waiting for
+        one, and the machine's stolen ms: CpuSnapshot) and rows ``[request id, tokens, prefill?]``
         (loadtest/slots.py draws the slot timeline from it, loadtest/steps.py the chunk sizes
         and errors)."""
         if self._step_trace is None:
             self._step_trace = open(self.engine.config.step_trace_path, "a", buffering=1)
         record = self.engine.last_step
-        assert record is not None and usage_before is not None
+        assert record is not None and usage_before is not None and cpu_before is not None
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = CpuSnapshot.take().since(cpu_before)
         rows = [[request_id, tokens, prefill] for request_id, (tokens, prefill) in record.rows.items()]
         predicted = None if record.predicted_s is None else round(record.predicted_s * 1e3, 3)
         self._step_trace.write(json.dumps({"step": self.engine.num_steps, "t": round(started, 6),
@@ -341,6 +388,8 @@ class EngineLoop:
                                            "predicted_ms": predicted, "gc_ms": round(gc_seconds * 1e3, 3),
                                            "minor_faults": usage.ru_minflt - usage_before.ru_minflt,
                                            "preempted": usage.ru_nivcsw - usage_before.ru_nivcsw,
+                                           "sys_ms": round((usage.ru_stime - usage_before.ru_stime) * 1e3, 2),
+                                           **cpu,
                                            "rows": rows}) + "\n")
 
     def _apply(self, command: _Submit | _Abort) -> None:
