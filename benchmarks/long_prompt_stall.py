@@ -17,6 +17,9 @@ Against a running server:
 Or one server per engine configuration, started in turn (the figures of docs/loadtest.md):
     python -m benchmarks.long_prompt_stall --launch itl_target_ms=150 --launch itl_target_ms=0 \\
         --json benchmarks/results/long_prompt_stall-cpu.json
+With ``step_trace_path=FILE`` in a launch's parameters (a fresh file), the steps that held a
+chunk beside decodes are split into those that ran 5% or more over their prediction and the rest,
+with where each set's CPU time went (loadtest/steps.py): printed and kept in the JSON.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.serving import Request, Result, Server, cpu_info, our_server, parse_params, percentile, send
+from loadtest.slots import read_steps
+from loadtest.steps import cpu_attribution, mixed_steps
 
 ID_RANGE = (1000, 40000)
 
@@ -121,6 +127,14 @@ def run_config(server: Server, args: argparse.Namespace, label: str) -> dict[str
     return {"config": label, "repetitions": [asdict(r) for r in reps]}
 
 
+def mixed_step_cpu(trace: Path) -> dict | None:
+    """Where the CPU went in the steps that held a chunk beside decodes (the stream gaps), slow
+    ones against the rest (loadtest/steps.py): from a launch with ``step_trace_path``, whose
+    file should be fresh (the server appends)."""
+    attribution = cpu_attribution(mixed_steps(read_steps(trace)))
+    return None if attribution is None else attribution.to_dict()
+
+
 def table(results: list[dict[str, Any]]) -> str:
     head = ["config", "rep", "stream gap p50 before", "gap p50 during", "gap p99 during", "gap max", "short TTFT max",
             "long TTFT", "alone", "ratio"]
@@ -163,9 +177,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         results.append(run_config(Server("server", "triton", host, int(port), args.model), args, args.server))
     else:
         for spec in args.launch:
-            with our_server(parse_params(spec)) as http_port:
+            params = parse_params(spec)
+            with our_server(params) as http_port:
                 results.append(run_config(Server("ours", "triton", "127.0.0.1", http_port, args.model), args, spec))
+            if params.get("step_trace_path"):
+                results[-1]["mixed_step_cpu"] = mixed_step_cpu(Path(params["step_trace_path"]))
     print(table(results))
+    for result in results:
+        if result.get("mixed_step_cpu"):
+            print(f"{result['config']}: mixed steps over / under 1.05x their prediction: "
+                  + json.dumps(result["mixed_step_cpu"]))
     if args.json:
         config = {**{k: v for k, v in vars(args).items() if k not in ("json",)}, **cpu,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -8,7 +8,7 @@ predicted time (``predicted_ms``, null without a cost model). Newer lines also s
 process's CPU time went (``threads_ms``, ``sys_ms``, ``steal_ms``: backend/engine/loop.CpuSnapshot);
 ``cpu_attribution`` compares the steps that ran over their prediction with the others on those.
 
-    python -m loadtest.steps steps.jsonl [--over 1.05] [--json OUT]
+    python -m loadtest.steps steps.jsonl [--over 1.05] [--min-ms MS] [--mixed] [--json OUT]
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class CpuAttribution:
 
 
 def _median(values: list[float | None]) -> float | None:
-    return Percentiles.of([v for v in values if v is not None]).p50
+    median = Percentiles.of([v for v in values if v is not None]).p50
+    return None if median is None else round(median, 3)
 
 
 def _cpu_share(steps: list[dict]) -> CpuShare:
@@ -101,6 +102,13 @@ def _cpu_share(steps: list[dict]) -> CpuShare:
         _median([sum(t[0] for t in s["threads_ms"][2:]) for s in steps]),
         _median([s.get("sys_ms") for s in steps]),
         _median([s["steal_ms"] for s in steps]))
+
+
+def mixed_steps(steps: list[dict]) -> list[dict]:
+    """The steps that held a prefill chunk beside decodes: the ones an ITL target sizes, and
+    each one a gap in every decoding stream."""
+    return [s for s in steps if any(prefill for _, _, prefill in s["rows"])
+            and any(not prefill for _, _, prefill in s["rows"])]
 
 
 def cpu_attribution(steps: list[dict], over: float = 1.05) -> CpuAttribution | None:
@@ -118,9 +126,12 @@ def main() -> None:
     parser.add_argument("trace", type=Path, help="a step trace (EngineConfig.step_trace_path)")
     parser.add_argument("--over", type=float, default=1.05, help="a step this many times its prediction is slow")
     parser.add_argument("--min-ms", type=float, default=0.0, help="only steps that ran at least this long")
+    parser.add_argument("--mixed", action="store_true", help="only steps with a prefill chunk beside decodes")
     parser.add_argument("--json", type=Path, help="write the statistics and the attribution here")
     args = parser.parse_args()
     steps = [s for s in read_steps(args.trace) if s.get("engine_ms", s["ms"]) >= args.min_ms]
+    if args.mixed:
+        steps = mixed_steps(steps)
     stats = step_stats(steps)
     attribution = cpu_attribution(steps, args.over)
     print("\n".join(report_lines(stats)))

@@ -12,7 +12,7 @@ from pathlib import Path
 from backend import Engine, EngineConfig, SamplingParams
 from backend.engine.loop import CpuSnapshot, EngineLoop
 from loadtest.slots import read_steps, slot_timeline
-from loadtest.steps import cpu_attribution
+from loadtest.steps import cpu_attribution, mixed_steps
 
 
 def step(*rows: tuple[str, int, bool]) -> dict:
@@ -117,3 +117,9 @@ def test_cpu_attribution_separates_slow_steps_by_where_their_time_went() -> None
     assert attribution.slow.stolen_ms == 10.0 and attribution.rest.stolen_ms == 0.0
     assert attribution.rest.other_threads_ms == 3.0
     assert cpu_attribution([{"step": 0, "t": 0.0, "ms": 1.0, "rows": []}]) is None   # an older trace
+
+
+def test_mixed_steps_are_those_with_a_chunk_beside_decodes() -> None:
+    steps = [step(("a", 16, True)), step(("a", 16, True), ("b", 1, False)), step(("b", 1, False)),
+             step(("b", 1, False), ("c", 1, False), ("d", 7, True))]
+    assert mixed_steps(steps) == [steps[1], steps[3]]

@@ -371,10 +371,10 @@ class EngineLoop:
         iteration (ms), the engine step's own measured and predicted time (ms; predicted null
         without a cost model), what else happened in the process meanwhile (the garbage
         collector's time in ms, minor page faults, involuntary context switches: threads of this
-        process put off a core for another, the process's time in the kernel; per busy thread its ms on a core and ms waiting for
-        one, and the machine's stolen ms: CpuSnapshot) and rows ``[request id, tokens, prefill?]``
-        (loadtest/slots.py draws the slot timeline from it, loadtest/steps.py the chunk sizes
-        and errors)."""
+        process put off a core for another, the process's time in the kernel; per busy thread
+        its ms on a core and ms waiting for one, and the machine's stolen ms: CpuSnapshot) and
+        rows ``[request id, tokens, prefill?]`` (loadtest/slots.py draws the slot timeline from
+        it, loadtest/steps.py the chunk sizes, errors and where slow steps' CPU time went)."""
         if self._step_trace is None:
             self._step_trace = open(self.engine.config.step_trace_path, "a", buffering=1)
         record = self.engine.last_step
