@@ -17,7 +17,7 @@ from loadtest.profiles import DEFAULT_PROFILE, PROFILES, SLO
 from loadtest.records import read_records
 from loadtest.server_metrics import read_samples
 from loadtest.slots import STEPS_FILE, read_steps
-from loadtest.steps import report_lines, step_stats
+from loadtest.steps import attribution_lines, cpu_attribution, report_lines, step_stats
 
 RECORDS = "records.jsonl"
 SAMPLES = "metrics.jsonl"
@@ -209,8 +209,11 @@ def write_report(run_dir: Path, slo: SLO | None = None) -> Summary:
         parts += [line, ""]
     parts += [*server_lines(samples, meta), ""]
     if (run_dir / STEPS_FILE).exists():
-        stats = step_stats(read_steps(run_dir / STEPS_FILE))
+        steps = read_steps(run_dir / STEPS_FILE)
+        stats = step_stats(steps)
         parts += report_lines(stats)
+        if (attribution := cpu_attribution(steps)) is not None and attribution.slow.steps:
+            parts += attribution_lines(attribution)
         write_json(run_dir / STEP_STATS, stats.to_dict())
     parts += [f"Result: {verdict(summary)}", "",
               f"![TTFT and ITL CDFs]({LATENCY_PNG})", "", f"![Throughput, requests and KV cache]({TIMELINE_PNG})",

@@ -121,6 +121,24 @@ def cpu_attribution(steps: list[dict], over: float = 1.05) -> CpuAttribution | N
     return CpuAttribution(over, _cpu_share(slow), _cpu_share(rest))
 
 
+def attribution_lines(attribution: CpuAttribution) -> list[str]:
+    """A markdown table: the slow steps against the rest, one column each."""
+    def cell(value: float | None, unit: str = " ms") -> str:
+        return "–" if value is None else f"{value:.3g}{unit}"
+
+    slow, rest = attribution.slow, attribution.rest
+    rows = [("measured / predicted", slow.measured_over_predicted, rest.measured_over_predicted, ""),
+            ("busiest thread on a core", slow.compute_on_core_ms, rest.compute_on_core_ms, " ms"),
+            ("compute threads waiting for a core", slow.compute_waiting_ms, rest.compute_waiting_ms, " ms"),
+            ("other threads on a core", slow.other_threads_ms, rest.other_threads_ms, " ms"),
+            ("in the kernel (process)", slow.kernel_ms, rest.kernel_ms, " ms"),
+            ("stolen by the hypervisor", slow.stolen_ms, rest.stolen_ms, " ms")]
+    return ([f"Where the CPU time went, per step (medians): the {slow.steps} steps that ran {attribution.over:g}x "
+             f"their prediction or more against the other {rest.steps}", "",
+             "| | slow steps | the rest |", "|---|---|---|"]
+            + [f"| {name} | {cell(a, unit)} | {cell(b, unit)} |" for name, a, b, unit in rows] + [""])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path, help="a step trace (EngineConfig.step_trace_path)")
@@ -134,8 +152,7 @@ def main() -> None:
         steps = mixed_steps(steps)
     stats = step_stats(steps)
     attribution = cpu_attribution(steps, args.over)
-    print("\n".join(report_lines(stats)))
-    print(json.dumps(None if attribution is None else attribution.to_dict(), indent=1))
+    print("\n".join(report_lines(stats) + ([] if attribution is None else attribution_lines(attribution))))
     if args.json:
         args.json.write_text(json.dumps({"steps": stats.to_dict(),
                                          "cpu": None if attribution is None else attribution.to_dict()}, indent=1) + "\n")

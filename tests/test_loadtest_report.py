@@ -120,6 +120,24 @@ def test_report_files_and_table(tmp_path: Path) -> None:
     assert "| output tokens/s | 3 | 3 | 1.00x |" in comparison_table({"continuous": summary, "static": summary})
 
 
+def test_report_says_where_the_slow_steps_cpu_time_went(tmp_path: Path) -> None:
+    with open(tmp_path / "records.jsonl", "w") as f:
+        for r in SYNTHETIC:
+            f.write(r.to_json() + "\n")
+
+    def traced(measured: float, waiting: float) -> dict:
+        return {"step": 0, "t": 0.0, "ms": measured, "engine_ms": measured, "predicted_ms": 100.0, "sys_ms": 1.0,
+                "steal_ms": 0, "threads_ms": [[measured, waiting], [measured - 5, 0.0]], "rows": [["a", 1, False]]}
+    with open(tmp_path / "steps.jsonl", "w") as f:
+        for step in (traced(100.0, 1.0), traced(99.0, 1.0), traced(130.0, 25.0)):
+            f.write(json.dumps(step) + "\n")
+    write_report(tmp_path, SLO_TEST)
+    text = (tmp_path / "report.md").read_text()
+    assert "the 1 steps that ran 1.05x their prediction or more against the other 2" in text
+    assert "| compute threads waiting for a core | 25 ms | 1 ms |" in text
+    assert "| stolen by the hypervisor | 0 ms | 0 ms |" in text
+
+
 # ---- what the numbers rest on ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path):
