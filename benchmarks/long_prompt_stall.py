@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmarks.serving import Request, Result, Server, cpu_info, our_server, parse_params, percentile, send
 from loadtest.slots import read_steps
-from loadtest.steps import cpu_attribution, mixed_steps
+from loadtest.steps import CpuAttribution, attribution_lines, cpu_attribution, mixed_steps
 
 ID_RANGE = (1000, 40000)
 
@@ -127,12 +127,11 @@ def run_config(server: Server, args: argparse.Namespace, label: str) -> dict[str
     return {"config": label, "repetitions": [asdict(r) for r in reps]}
 
 
-def mixed_step_cpu(trace: Path) -> dict | None:
+def mixed_step_cpu(trace: Path) -> CpuAttribution | None:
     """Where the CPU went in the steps that held a chunk beside decodes (the stream gaps), slow
     ones against the rest (loadtest/steps.py): from a launch with ``step_trace_path``, whose
     file should be fresh (the server appends)."""
-    attribution = cpu_attribution(mixed_steps(read_steps(trace)))
-    return None if attribution is None else attribution.to_dict()
+    return cpu_attribution(mixed_steps(read_steps(trace)))
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -172,6 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cpu = cpu_info()
     print(f"host CPU: {cpu['cpu_model']} ({cpu['cpu_cores']} cores)", flush=True)
     results = []
+    attributions: list[tuple[str, CpuAttribution]] = []   # per launch that traced its steps
     if args.server:
         host, port = args.server.rsplit(":", 1)
         results.append(run_config(Server("server", "triton", host, int(port), args.model), args, args.server))
@@ -180,13 +180,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             params = parse_params(spec)
             with our_server(params) as http_port:
                 results.append(run_config(Server("ours", "triton", "127.0.0.1", http_port, args.model), args, spec))
-            if params.get("step_trace_path"):
-                results[-1]["mixed_step_cpu"] = mixed_step_cpu(Path(params["step_trace_path"]))
+            if params.get("step_trace_path") and (attribution := mixed_step_cpu(Path(params["step_trace_path"]))):
+                attributions.append((spec, attribution))
+                results[-1]["mixed_step_cpu"] = attribution.to_dict()
     print(table(results))
-    for result in results:
-        if result.get("mixed_step_cpu"):
-            print(f"{result['config']}: mixed steps over / under 1.05x their prediction: "
-                  + json.dumps(result["mixed_step_cpu"]))
+    for spec, attribution in attributions:
+        print("\n".join([f"{spec}, steps with a chunk beside decodes:", "", *attribution_lines(attribution)]))
     if args.json:
         config = {**{k: v for k, v in vars(args).items() if k not in ("json",)}, **cpu,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
