@@ -4,6 +4,7 @@ round-robin, on a shared-prefix workload that sends no client key (docs/scaling.
     python -m benchmarks.kv_routing [--quick] [--modes dynamo-kv,haproxy-affinity,round-robin]
         [--replicas 2] [--concurrency 4] [--think-time 0] [--seed 0] [--rounds 1]
         [--frontend-arg=--router-...] [--out benchmarks/results/...json]
+    python -m benchmarks.kv_routing --references [workload shape, --rounds N]
     python -m benchmarks.kv_routing --kill-burst [--burst 12] [--burst-prompt-tokens 256]
         [--burst-max-tokens 256] [--kill-variants after-first-token,before-first-token,burst-after-kill]
         (workload shape: --systems --documents --systems-per-document --questions
@@ -31,8 +32,12 @@ System prompts are longer than 256 bytes, so HAProxy's fallback key is the syste
 
 Reported per routing: prefix-cache hit rate (prompt tokens served from the cache / looked up,
 summed over the replicas' ``llm_prefix_cache_*_tokens_total``) beside the most any routing could
-reach (``single_cache_hit_rate``: one never-evicting cache), TTFT p50 / p99 / mean at the
-client (first streamed text), requests per replica (``llm_request_finished_total``), errors.
+reach (``single_cache_hit_rate``: one never-evicting cache, which keeping each system prompt's
+sessions on one replica also reaches) and what balancing by load reaches when it never splits a
+session (``spread_sessions_hit_rate``: each session to the replica sent the fewest tokens, so a
+system prompt is prefilled on both), TTFT p50 / p99 / mean at the client (first streamed text),
+requests per replica (``llm_request_finished_total``), errors. ``--references`` computes the two
+references alone, for the workloads a run with the same arguments would send (no cluster).
 ``--rounds N`` runs every routing N times (new seeds, the order rotating) and pools them: the
 hit rate averaged, TTFT percentiles over all requests, each round kept.
 ``--quick``: a small workload and replicas without the step-cost calibration, about a minute
@@ -78,6 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.config import EngineConfig
 from benchmarks.common import DEFAULT_MODEL_DIR
 from benchmarks.prefix_routing import hit_rate, prefix_counters
 from client.llm_client import http_generate_stream
@@ -689,6 +695,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for Dynamo's frontend (its router's weights, e.g. "
                              "--frontend-arg=--router-prefill-load-scale=4); Dynamo's defaults otherwise")
+    parser.add_argument("--references", action="store_true",
+                        help="no cluster: the hit-rate references (one cache; whole sessions spread by "
+                             "load) of the workloads a run with these arguments would send")
     parser.add_argument("--kill-burst", action="store_true",
                         help="measure a replica killed under a burst instead of the routings")
     parser.add_argument("--kill-variants", default=",".join(KILL_VARIANTS),
@@ -737,25 +746,55 @@ def warm_up(cluster, prompts: PromptFactory, tokens: int, seed: int) -> None:
                 raise RuntimeError(f"warming up {endpoint.name} failed: {result.error}")
 
 
+def _served_from_cache(ids: list[int], cache: set[tuple[int, ...]], block_size: int) -> int:
+    """Prompt tokens the engine serves from ``cache``, counted as it counts them: whole blocks
+    of a cached chain, never the prompt's last token (it must be computed). The prompt's full
+    blocks then join the cache, which never evicts."""
+    chains = [tuple(ids[:end]) for end in range(block_size, len(ids) + 1, block_size)]
+    usable = min((len(ids) - 1) // block_size, len(chains))
+    matched = 0
+    while matched < usable and chains[matched] in cache:
+        matched += 1
+    cache.update(chains)
+    return matched * block_size
+
+
+def placed_hit_rate(prompts: PromptFactory, sessions: list[list[Request]], replica_of: list[int],
+                    block_size: int) -> float:
+    """The hit rate when session i is served whole by replica ``replica_of[i]``, one session
+    after another, each replica with a cache that never evicts."""
+    caches: dict[int, set[tuple[int, ...]]] = {}
+    hit = queried = 0
+    for session, replica in zip(sessions, replica_of, strict=True):
+        cache = caches.setdefault(replica, set())
+        for request in session:
+            ids = prompts.tokenizer.encode(request.prompt).ids
+            hit += _served_from_cache(ids, cache, block_size)
+            queried += len(ids)
+    return hit / queried if queried else 0.0
+
+
 def single_cache_hit_rate(prompts: PromptFactory, sessions: list[list[Request]], block_size: int) -> float:
     """The hit rate of one replica whose prefix cache never evicts, serving the same requests
     one session after another: the most any routing of them can reach (concurrency aside).
-    Counted as the engine counts it: whole blocks of a cached chain, never the prompt's last
-    token (it must be computed), over all prompt tokens."""
-    cached: set[tuple[int, ...]] = set()
-    hit = queried = 0
+    Routing every system prompt's sessions to one replica reaches it too: sessions under
+    different system prompts share no block."""
+    return placed_hit_rate(prompts, sessions, [0] * len(sessions), block_size)
+
+
+def spread_sessions_hit_rate(prompts: PromptFactory, sessions: list[list[Request]], block_size: int,
+                             replicas: int = 2) -> float:
+    """A reference for routings that balance load: each session whole (never split) to the
+    replica sent the fewest prompt tokens so far, blind to what the replicas hold. Every
+    replica then prefills each system prompt once, where the single cache prefills it once
+    in all; that is what balancing costs on this workload, before any session is split."""
+    sent = [0] * replicas
+    replica_of = []
     for session in sessions:
-        for request in session:
-            ids = prompts.tokenizer.encode(request.prompt).ids
-            chains = [tuple(ids[:end]) for end in range(block_size, len(ids) + 1, block_size)]
-            usable = (len(ids) - 1) // block_size
-            matched = 0
-            while matched < min(usable, len(chains)) and chains[matched] in cached:
-                matched += 1
-            hit += matched * block_size
-            queried += len(ids)
-            cached.update(chains)
-    return hit / queried if queried else 0.0
+        replica = sent.index(min(sent))
+        replica_of.append(replica)
+        sent[replica] += sum(request.prompt_tokens for request in session)
+    return placed_hit_rate(prompts, sessions, replica_of, block_size)
 
 
 def pooled(mode: str, rounds: list[dict]) -> dict:
@@ -768,15 +807,48 @@ def pooled(mode: str, rounds: list[dict]) -> dict:
             per_replica[name] = per_replica.get(name, 0.0) + count
     summary = summarize(results, float(np.mean([s["prefix_hit_rate"] for s in rounds])), per_replica,
                         float(sum(s["wall_s"] for s in rounds)))
-    summary["single_cache_hit_rate"] = float(np.mean([s["single_cache_hit_rate"] for s in rounds]))
+    for reference in ("single_cache_hit_rate", "spread_sessions_hit_rate"):
+        summary[reference] = float(np.mean([s[reference] for s in rounds]))
     summary["rounds"] = [{k: v for k, v in s.items() if k != "results"} for s in rounds]
     each = ", ".join(f"{s['prefix_hit_rate']:.1%}" for s in rounds)
     print(f"{mode}, {len(rounds)} rounds: prefix-cache hit rate {summary['prefix_hit_rate']:.1%} "
           f"(rounds {each}; one unbounded cache "
-          f"{summary['single_cache_hit_rate']:.1%}), TTFT p50 {_s(summary['ttft_p50_s'])}, p99 "
+          f"{summary['single_cache_hit_rate']:.1%}, whole sessions spread by load "
+          f"{summary['spread_sessions_hit_rate']:.1%}), TTFT p50 {_s(summary['ttft_p50_s'])}, p99 "
           f"{_s(summary['ttft_p99_s'])}, errors {summary['errors']}", flush=True)
     summary["results"] = [asdict(r) for r in results]
     return summary
+
+
+def references(prompts: PromptFactory, sessions: list[list[Request]], block_size: int, replicas: int) -> dict:
+    return {"single_cache_hit_rate": single_cache_hit_rate(prompts, sessions, block_size),
+            "spread_sessions_hit_rate": spread_sessions_hit_rate(prompts, sessions, block_size, replicas)}
+
+
+def round_seed(args: argparse.Namespace, mode: str, round_index: int) -> int:
+    """Each (routing, round) has a workload of its own: other system prompts, documents and
+    conversations, so that no run's cache helps another."""
+    return args.seed + 1 + MODES.index(mode) + len(MODES) * round_index
+
+
+def workload_references(args: argparse.Namespace, prompts: PromptFactory) -> dict:
+    """``--references``: the hit-rate references of the workloads a run with these arguments
+    would send, per routing and round, and averaged per routing as the run reports them;
+    computed from the prompts alone (the engine's default block size), no cluster."""
+    block_size = EngineConfig.block_size
+    out: dict[str, dict] = {}
+    for mode in args.modes:
+        rounds = []
+        for round_index in range(args.rounds):
+            seed = round_seed(args, mode, round_index)
+            rounds.append({"seed": seed, **references(prompts, workload(prompts, args, seed), block_size,
+                                                      args.replicas)})
+        out[mode] = {key: float(np.mean([r[key] for r in rounds])) for key in rounds[0] if key != "seed"}
+        out[mode]["rounds"] = rounds
+        print(f"{mode}, {args.rounds} rounds: one cache {out[mode]['single_cache_hit_rate']:.1%}, whole "
+              f"sessions spread by load over {args.replicas} replicas "
+              f"{out[mode]['spread_sessions_hit_rate']:.1%}", flush=True)
+    return {"block_size": block_size, "replicas": args.replicas, "references": out}
 
 
 def measure(cluster, args: argparse.Namespace, prompts: PromptFactory) -> dict[str, dict]:
@@ -792,7 +864,7 @@ def measure(cluster, args: argparse.Namespace, prompts: PromptFactory) -> dict[s
     for round_index in range(args.rounds):
         shift = round_index % len(args.modes)
         for mode in args.modes[shift:] + args.modes[:shift]:
-            seed = args.seed + 1 + MODES.index(mode) + len(MODES) * round_index
+            seed = round_seed(args, mode, round_index)
             sessions = workload(prompts, args, seed)
             proxy = None
             try:
@@ -812,7 +884,7 @@ def measure(cluster, args: argparse.Namespace, prompts: PromptFactory) -> dict[s
                 if proxy is not None:
                     proxy.stop()
             summary["seed"] = seed
-            summary["single_cache_hit_rate"] = single_cache_hit_rate(prompts, sessions, cluster.limits["block_size"])
+            summary.update(references(prompts, sessions, cluster.limits["block_size"], len(cluster.endpoints)))
             rounds[mode].append(summary)
     if args.rounds == 1:
         return {mode: rs[0] for mode, rs in rounds.items()}
@@ -824,13 +896,21 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     params = dict(p.split("=", 1) for p in args.param)
+    prompts = PromptFactory.for_model(args.model_dir)
+    if args.references:
+        out = args.out or RESULTS_DIR / "kv_routing_references.json"
+        out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                   "command": "python -m benchmarks.kv_routing " + " ".join(argv or sys.argv[1:]),
+                                   "settings": {k: str(v) for k, v in vars(args).items()},
+                                   **workload_references(args, prompts)}, indent=2))
+        print(f"wrote {out}")
+        return 0
     if args.quick:
         params.setdefault("itl_target_ms", "0")    # no step-cost calibration at start-up
     if args.log_dir is None:    # the replicas', Dynamo's and HAProxy's logs, out of the way
         args.log_dir = Path(tempfile.mkdtemp(prefix="kv-routing-logs-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {args.log_dir}", flush=True)
-    prompts = PromptFactory.for_model(args.model_dir)
     started = time.perf_counter()
     # --kill-burst: supervised replicas (the supervisor restarts the one killed), the launcher's
     # migration limit (DynamoCluster's default, as `make dynamo-cluster`).

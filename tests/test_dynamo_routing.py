@@ -129,3 +129,4 @@ def test_the_quick_measurement_runs_every_routing(cluster: DynamoCluster, prompt
         assert summary["requests"] == len(summary["results"]) > 0
         assert 0 < summary["prefix_hit_rate"] < 1 and summary["ttft_p50_s"] > 0, (mode, summary)
         assert sum(summary["requests_per_replica"].values()) == summary["requests"], (mode, summary)
+        assert 0 < summary["spread_sessions_hit_rate"] <= summary["single_cache_hit_rate"] < 1, (mode, summary)
