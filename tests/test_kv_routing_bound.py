@@ -41,8 +41,8 @@ def test_bound_counts_whole_cached_blocks_and_never_the_last_token(prompts: Prom
 def test_rounds_pool_requests_and_average_hit_rates() -> None:
     def round_summary(hit_rate: float, ttfts: list[float], per_replica: dict[str, float]) -> dict:
         results = [Result("s", "document", i, 100, t, t + 0.1, 0).__dict__ for i, t in enumerate(ttfts)]
-        return {"prefix_hit_rate": hit_rate, "single_cache_hit_rate": 0.7, "spread_sessions_hit_rate": 0.65, "wall_s": 2.0, "seed": 1,
-                "requests_per_replica": per_replica, "results": results}
+        return {"prefix_hit_rate": hit_rate, "single_cache_hit_rate": 0.7, "spread_sessions_hit_rate": 0.65,
+                "wall_s": 2.0, "seed": 1, "requests_per_replica": per_replica, "results": results}
 
     summary = pooled("dynamo-kv", [round_summary(0.6, [0.1, 0.2], {"r0": 2.0, "r1": 0.0}),
                                    round_summary(0.7, [0.3, 0.4, 0.5], {"r0": 1.0, "r1": 2.0})])
